@@ -1,0 +1,133 @@
+"""Plain data passed between engines, workers, the co-trainer and the monitor."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+DRAFT_MODES = ("greedy", "rejection")
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to sample one batch. temperature 0 means greedy; k = 0 means plain decoding."""
+
+    max_new_tokens: int = 64
+    temperature: float = 1.0
+    top_k: int = 0                      # 0 = off
+    top_p: float = 1.0                  # 1 = off
+    num_draft_tokens: int = 0           # k drafts per round; 0 = plain autoregressive decoding
+    draft_mode: str = "rejection"       # greedy: draft argmax q (q one-hot); rejection: draft ~ q
+    stop_token_ids: tuple[int, ...] = ()  # in addition to the model's EOS ids
+    ignore_eos: bool = False
+    seed: int | None = None
+    return_hidden_states: bool = False  # target hidden state (after final norm) of every emitted token
+
+    def validate(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
+        if not (0.0 < self.top_p <= 1.0):
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.num_draft_tokens < 0:
+            raise ValueError(f"num_draft_tokens (k) must be >= 0, got {self.num_draft_tokens}")
+        if self.draft_mode not in DRAFT_MODES:
+            raise ValueError(f"draft_mode must be one of {DRAFT_MODES}, got {self.draft_mode!r}")
+
+
+@dataclass
+class Completion:
+    """One generated continuation and everything RL and the monitor need about it."""
+
+    prompt: list[int]
+    tokens: list[int]                   # emitted tokens (stop token included when hit)
+    logprobs: list[float]               # log p_policy(token) from raw logits (temperature 1, no top-k/p)
+    entropies: list[float]              # entropy (nats) of the processed target dist. each token came from
+    # speculative rounds: round r proposed k drafts, accepted round_accepted[r] of them;
+    # draft_entropies[r][j] is H(p) at draft position j of round r (reached iff j <= accepted).
+    round_accepted: list[int] = field(default_factory=list)
+    draft_entropies: list[list[float]] = field(default_factory=list)
+    num_draft_tokens: int = 0
+    finish_reason: str = "length"       # "stop" | "length"
+    policy_version: int = 0
+    head_version: int = 0
+    hidden_states: np.ndarray | None = None  # [len(tokens), d] float32, on request
+    domain: str | None = None           # task domain label, set by the caller
+
+    def spec_stats(self) -> "SpecDecodingStats":
+        return SpecDecodingStats.from_rounds(self.round_accepted, self.num_draft_tokens)
+
+
+@dataclass
+class SpecDecodingStats:
+    """Counters in vLLM's terms: acceptance rate = accepted / proposed draft tokens."""
+
+    num_drafts: int = 0                 # verification rounds that proposed drafts
+    num_draft_tokens: int = 0           # proposed draft tokens
+    num_accepted_tokens: int = 0
+    num_emitted_tokens: int = 0         # accepted + one recovered/bonus token per round
+    accepted_per_pos: list[int] = field(default_factory=list)  # accepted at draft position j
+    reached_per_pos: list[int] = field(default_factory=list)   # rounds that reached position j
+
+    @classmethod
+    def from_rounds(cls, round_accepted: list[int], k: int) -> "SpecDecodingStats":
+        s = cls(accepted_per_pos=[0] * k, reached_per_pos=[0] * k)
+        for n in round_accepted:
+            s.num_drafts += 1
+            s.num_draft_tokens += k
+            s.num_accepted_tokens += n
+            s.num_emitted_tokens += n + 1
+            for j in range(k):
+                s.reached_per_pos[j] += int(n >= j)
+                s.accepted_per_pos[j] += int(n > j)
+        return s
+
+    def merge(self, other: "SpecDecodingStats") -> "SpecDecodingStats":
+        k = max(len(self.accepted_per_pos), len(other.accepted_per_pos))
+        pad = lambda xs: list(xs) + [0] * (k - len(xs))  # noqa: E731
+        return SpecDecodingStats(
+            self.num_drafts + other.num_drafts,
+            self.num_draft_tokens + other.num_draft_tokens,
+            self.num_accepted_tokens + other.num_accepted_tokens,
+            self.num_emitted_tokens + other.num_emitted_tokens,
+            [a + b for a, b in zip(pad(self.accepted_per_pos), pad(other.accepted_per_pos))],
+            [a + b for a, b in zip(pad(self.reached_per_pos), pad(other.reached_per_pos))],
+        )
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else float("nan")
+
+    @property
+    def acceptance_length(self) -> float:
+        """Mean tokens emitted per verification round, bonus token included (tau)."""
+        return self.num_emitted_tokens / self.num_drafts if self.num_drafts else float("nan")
+
+    @property
+    def conditional_acceptance(self) -> list[float]:
+        return [a / r if r else float("nan") for a, r in zip(self.accepted_per_pos, self.reached_per_pos)]
+
+
+@dataclass
+class RolloutBatch:
+    """The completions of one generate() call, in prompt order."""
+
+    completions: list[Completion]
+    wall_time_s: float = 0.0
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(c.tokens) for c in self.completions)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.num_tokens / self.wall_time_s if self.wall_time_s > 0 else float("nan")
+
+    def spec_stats(self) -> SpecDecodingStats:
+        total = SpecDecodingStats()
+        for c in self.completions:
+            total = total.merge(c.spec_stats())
+        return total
