@@ -1,0 +1,107 @@
+"""DeepSeek-V3-style multi-token-prediction heads that draft for a frozen policy.
+
+Depth j at position i reads the previous depth's hidden state at i (the policy's final-norm
+hidden state for j = 1) and the embedding of token x_{i+j}, and predicts x_{i+j+1}:
+
+    h^j_i = norm_j(block_j(eh_proj_j([enorm_j(emb(x_{i+j})), hnorm_j(h^{j-1}_i)]))),
+    q_j(. | x_<=i+j) = softmax(W h^j_i / T)
+
+The embedding `emb` and the LM head `W` are the policy's own (shared and frozen), so a head
+checkpoint only holds the per-depth modules. Drafting k > D tokens reuses depth D.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from rollout.models.config import ModelConfig
+from rollout.models.decoder import CausalLM, DecoderLayer, KVCache, RMSNorm
+
+
+class MTPDepth(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        d = cfg.hidden_size
+        self.enorm = RMSNorm(d, cfg.rms_norm_eps)
+        self.hnorm = RMSNorm(d, cfg.rms_norm_eps)
+        self.eh_proj = nn.Linear(2 * d, d, bias=False)
+        self.block = DecoderLayer(cfg)
+        self.norm = RMSNorm(d, cfg.rms_norm_eps)
+
+    def forward(self, prev_hidden: torch.Tensor, token_embeds: torch.Tensor, positions: torch.Tensor,
+                rope: tuple[torch.Tensor, torch.Tensor], cache: KVCache | None) -> torch.Tensor:
+        # prev_hidden, token_embeds [B, T, d]; positions [B, T] -> hidden [B, T, d] (after norm)
+        x = self.eh_proj(torch.cat([self.enorm(token_embeds), self.hnorm(prev_hidden)], dim=-1))
+        return self.norm(self.block(x, rope, positions, cache, 0))
+
+
+class MTPHeads(nn.Module):
+    """D chained depths built against one policy architecture (see `policy_fingerprint`)."""
+
+    def __init__(self, policy_config: ModelConfig, num_depths: int):
+        super().__init__()
+        if num_depths < 1:
+            raise ValueError(f"num_depths must be >= 1, got {num_depths}")
+        self.policy_config = policy_config
+        self.depths = nn.ModuleList(MTPDepth(policy_config) for _ in range(num_depths))
+
+    @property
+    def num_depths(self) -> int:
+        return len(self.depths)
+
+    @property
+    def policy_fingerprint(self) -> str:
+        return self.policy_config.fingerprint()
+
+    def check_compatible(self, policy: CausalLM) -> None:
+        """Heads drafting for another policy give garbage (or index errors): refuse early."""
+        mine, theirs = self.policy_config, policy.config
+        if mine.hidden_size != theirs.hidden_size or mine.vocab_size != theirs.vocab_size:
+            raise ValueError(
+                f"MTP heads were built for hidden_size={mine.hidden_size}, vocab_size={mine.vocab_size} but the "
+                f"policy has hidden_size={theirs.hidden_size}, vocab_size={theirs.vocab_size}; "
+                "train or load heads for this policy (mtp-rollout train-heads)")
+
+    def new_caches(self, batch: int, max_len: int, dtype: torch.dtype, device) -> list[KVCache]:
+        cfg = self.policy_config
+        return [KVCache(1, batch, max_len, cfg.num_key_value_heads, cfg.dim_per_head, dtype, device)
+                for _ in self.depths]
+
+    def depth_forward(self, j: int, policy: CausalLM, prev_hidden: torch.Tensor, tokens: torch.Tensor,
+                      positions: torch.Tensor, cache: KVCache | None) -> torch.Tensor:
+        # j in [0, D); prev_hidden [B, T, d]; tokens [B, T] (x_{i+j+1}); positions [B, T] -> [B, T, d]
+        rope = policy.model.rotary(positions)
+        return self.depths[j](prev_hidden, policy.model.embed_tokens(tokens), positions, rope, cache)
+
+    def teacher_forced(self, policy: CausalLM, hidden: torch.Tensor, tokens: torch.Tensor) -> list[torch.Tensor]:
+        """Training forward over whole sequences.
+
+        hidden [B, T, d] policy final-norm states of `tokens` [B, T]. Returns, for depth j = 1..D,
+        student hidden states [B, T-j, d] at positions i = 0..T-1-j; their teacher is the policy's
+        distribution at position i+j, softmax(W hidden[:, i+j]).
+        """
+        B, T, _ = hidden.shape
+        outs, prev = [], hidden
+        for j in range(1, self.num_depths + 1):
+            n = T - j
+            if n <= 0:
+                break
+            positions = torch.arange(n, device=hidden.device).expand(B, n)
+            prev = self.depth_forward(j - 1, policy, prev[:, :n], tokens[:, j:j + n], positions, None)
+            outs.append(prev)
+        return outs
+
+
+def init_heads(policy: CausalLM, num_depths: int, seed: int = 0) -> MTPHeads:
+    """Heads whose block is a copy of the policy's last layer and whose projection passes the
+    hidden state through: a better start than random (drafting = the policy's own next guess)."""
+    torch.manual_seed(seed)
+    heads = MTPHeads(policy.config, num_depths)
+    d = policy.config.hidden_size
+    with torch.no_grad():
+        for depth in heads.depths:
+            depth.block.load_state_dict(policy.model.layers[-1].state_dict())
+            depth.eh_proj.weight.copy_(torch.cat([0.1 * torch.randn(d, d) / d ** 0.5, torch.eye(d)], dim=1))
+            depth.norm.weight.copy_(policy.model.norm.weight)
+    p = policy.model.embed_tokens.weight
+    return heads.to(device=p.device, dtype=p.dtype)

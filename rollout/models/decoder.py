@@ -1,0 +1,245 @@
+"""Llama / Qwen2 / Qwen3-family decoder with a per-row-position KV cache.
+
+Rows of a batch sit at different sequence positions (`start[b]`): a forward writes its T
+new keys/values at start[b] .. start[b]+T-1 and each query attends to keys at positions
+<= its own. Anything the cache holds beyond a row's committed length is never read, so
+rewinding after a rejected draft is only a change of `start`, never a copy.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from rollout.models.config import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (x32 * self.weight.float()).to(x.dtype)
+
+
+def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
+    """Inverse frequencies [hd/2], with HF's `linear` and `llama3` rope scaling."""
+    hd = cfg.dim_per_head
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd))
+    scaling = cfg.rope_scaling or {}
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind == "linear":
+        inv = inv / float(scaling["factor"])
+    elif kind == "llama3":
+        factor = float(scaling["factor"])
+        low, high = float(scaling.get("low_freq_factor", 1.0)), float(scaling.get("high_freq_factor", 4.0))
+        old_ctx = float(scaling["original_max_position_embeddings"])
+        wavelen = 2 * math.pi / inv
+        smooth = (old_ctx / wavelen - low) / (high - low)
+        scaled = torch.where(wavelen > old_ctx / low, inv / factor, inv)
+        mid = (wavelen <= old_ctx / low) & (wavelen >= old_ctx / high)
+        inv = torch.where(mid, (1 - smooth) * inv / factor + smooth * inv, scaled)
+    elif kind not in (None, "default"):
+        raise ValueError(f"unsupported rope_scaling type {kind!r} (supported: linear, llama3)")
+    return inv.float()
+
+
+class Rotary(nn.Module):
+    """cos/sin lookup by absolute position (HF rotate_half layout)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+
+    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # positions [B, T] -> cos, sin [B, 1, T, hd]
+        freqs = positions.float()[..., None] * self.inv_freq
+        emb = torch.cat([freqs, freqs], dim=-1)[:, None]
+        return emb.cos(), emb.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x [B, H, T, hd]
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return (x.float() * cos + rotated.float() * sin).to(x.dtype)
+
+
+class KVCache:
+    """Keys/values of `num_layers` layers: [B, max_len, H_kv, hd] each, addressed by position."""
+
+    def __init__(self, num_layers: int, batch: int, max_len: int, num_kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device | str = "cpu"):
+        shape = (batch, max_len, num_kv_heads, head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.max_len = max_len
+
+    def write(self, layer: int, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        # positions [B, T]; k, v [B, T, H_kv, hd]
+        rows = torch.arange(positions.shape[0], device=positions.device)[:, None]
+        self.k[layer][rows, positions] = k
+        self.v[layer][rows, positions] = v
+
+    def read(self, layer: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        # -> [B, length, H_kv, hd] views
+        return self.k[layer][:, :length], self.v[layer][:, :length]
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        d, hd = cfg.hidden_size, cfg.dim_per_head
+        self.n_heads, self.n_kv, self.hd = cfg.num_attention_heads, cfg.num_key_value_heads, hd
+        self.q_proj = nn.Linear(d, self.n_heads * hd, bias=cfg.attention_bias)
+        self.k_proj = nn.Linear(d, self.n_kv * hd, bias=cfg.attention_bias)
+        self.v_proj = nn.Linear(d, self.n_kv * hd, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(self.n_heads * hd, d, bias=False)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(hd, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(hd, cfg.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], positions: torch.Tensor,
+                cache: KVCache | None, layer: int) -> torch.Tensor:
+        # x [B, T, d]; positions [B, T] absolute positions of the T new tokens
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, self.n_heads, self.hd)
+        k = self.k_proj(x).view(B, T, self.n_kv, self.hd)
+        v = self.v_proj(x).view(B, T, self.n_kv, self.hd)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        cos, sin = rope
+        q = apply_rope(q.transpose(1, 2), cos, sin)                      # [B, H, T, hd]
+        k = apply_rope(k.transpose(1, 2), cos, sin).transpose(1, 2)      # [B, T, H_kv, hd]
+        if cache is None:
+            keys, values = k, v
+            key_pos = positions
+        else:
+            cache.write(layer, positions, k, v)
+            length = int(positions.max()) + 1
+            keys, values = cache.read(layer, length)
+            key_pos = torch.arange(length, device=x.device).expand(B, length)
+        # GQA by repeating K/V by hand: SDPA's enable_gqa is much slower on CPU (DESIGN.md).
+        groups = self.n_heads // self.n_kv
+        keys = keys.transpose(1, 2).repeat_interleave(groups, dim=1)     # [B, H, L, hd]
+        values = values.transpose(1, 2).repeat_interleave(groups, dim=1)
+        mask = key_pos[:, None, None, :] <= positions[:, None, :, None]  # [B, 1, T, L]
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
+        return self.o_proj(out.transpose(1, 2).reshape(B, T, self.n_heads * self.hd))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x, rope, positions, cache: KVCache | None, layer: int) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), rope, positions, cache, layer)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DecoderModel(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.rotary = Rotary(cfg)
+
+
+class CausalLM(nn.Module):
+    """The policy. `hidden_states` is the final-norm output: logits = lm_head(hidden)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.config = cfg
+        self.model = DecoderModel(cfg)
+        if not cfg.tie_word_embeddings:
+            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        """[V, d], shared with the MTP heads."""
+        return self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
+
+    def new_cache(self, batch: int, max_len: int) -> KVCache:
+        cfg = self.config
+        p = self.model.embed_tokens.weight
+        return KVCache(cfg.num_hidden_layers, batch, max_len, cfg.num_key_value_heads, cfg.dim_per_head,
+                       p.dtype, p.device)
+
+    def hidden_states(self, tokens: torch.Tensor, cache: KVCache | None = None,
+                      start: torch.Tensor | None = None) -> torch.Tensor:
+        # tokens [B, T] int64; start [B] position of tokens[:, 0] (0 without a cache) -> [B, T, d]
+        B, T = tokens.shape
+        if start is None:
+            start = torch.zeros(B, dtype=torch.long, device=tokens.device)
+        positions = start[:, None] + torch.arange(T, device=tokens.device)
+        rope = self.model.rotary(positions)
+        x = self.model.embed_tokens(tokens)
+        for i, layer in enumerate(self.model.layers):
+            x = layer(x, rope, positions, cache, i)
+        return self.model.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        # hidden [..., d] -> [..., V] in float32
+        return F.linear(hidden, self.lm_head_weight).float()
+
+    def forward(self, tokens: torch.Tensor, cache: KVCache | None = None,
+                start: torch.Tensor | None = None) -> torch.Tensor:
+        return self.compute_logits(self.hidden_states(tokens, cache, start))
+
+
+def build_model(cfg: ModelConfig, state_dict: dict[str, torch.Tensor] | None = None,
+                dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> CausalLM:
+    """A CausalLM in eval mode, frozen, from HF-named weights (random init when None)."""
+    model = CausalLM(cfg)
+    if state_dict is not None:
+        state_dict = {k: v for k, v in state_dict.items() if not (cfg.tie_word_embeddings and k == "lm_head.weight")}
+        missing, unexpected = model.load_state_dict(state_dict, strict=False)
+        missing = [m for m in missing if "rotary" not in m]
+        if missing or unexpected:
+            raise ValueError(f"weights do not match the {cfg.architecture} config: "
+                             f"missing {missing[:5]}, unexpected {unexpected[:5]}")
+    model = model.to(device=device, dtype=dtype).eval()
+    model.model.rotary.inv_freq = rope_inv_freq(cfg).to(device)  # keep RoPE tables in float32
+    for p in model.parameters():
+        p.requires_grad_(False)
+    return model
+
+
+def random_model(cfg: ModelConfig, seed: int = 0, dtype: torch.dtype = torch.float32) -> CausalLM:
+    """A tiny random model for tests: weights ~ N(0, 0.02) style, norms at 1."""
+    gen = torch.Generator().manual_seed(seed)
+    model = CausalLM(cfg)
+    sd = {}
+    for name, t in model.state_dict().items():
+        if "norm" in name:
+            sd[name] = torch.ones_like(t)
+        elif name.endswith("bias"):
+            sd[name] = torch.randn(t.shape, generator=gen) * 0.02
+        else:
+            sd[name] = torch.randn(t.shape, generator=gen) * (1.0 / math.sqrt(t.shape[-1]))
+    return build_model(cfg, sd, dtype)

@@ -1,0 +1,86 @@
+"""Lossless verification of drafted tokens (Leviathan et al. 2023; Chen et al. 2023).
+
+Terms follow vLLM's rejection sampler: a draft token is *accepted* with probability
+min(1, p/q); the first rejected position emits a *recovered* token drawn from
+norm(max(0, p - q)); when all k drafts pass, a *bonus* token is drawn from p.
+Temperature 0 is one-hot p and the same code then does exact greedy verification.
+"""
+from __future__ import annotations
+
+import torch
+
+PLACEHOLDER = -1  # output slot after the last emitted token
+
+
+def process_logits(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
+    """Logits -> the distribution that is sampled and verified against.
+
+    logits [..., V] float32 -> probs [..., V]. Applied identically to the target p and the
+    draft q so that rejection sampling compares like with like. Temperature 0 -> one-hot argmax.
+    """
+    if temperature == 0:
+        return torch.zeros_like(logits).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
+    logits = logits / temperature
+    if top_k and top_k < logits.shape[-1]:
+        kth = logits.topk(top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        sorted_probs = sorted_logits.softmax(-1)
+        # drop a token when the mass strictly before it already reaches top_p (keeps >= 1 token)
+        drop_sorted = (sorted_probs.cumsum(-1) - sorted_probs) >= top_p
+        drop = torch.zeros_like(drop_sorted).scatter_(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    return logits.softmax(-1)
+
+
+def entropy(probs: torch.Tensor) -> torch.Tensor:
+    """Shannon entropy in nats: probs [..., V] -> [...]."""
+    return -(probs * probs.clamp_min(1e-30).log()).sum(-1)
+
+
+def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """One token per row: probs [..., V] -> [...] int64."""
+    flat = probs.reshape(-1, probs.shape[-1])
+    return torch.multinomial(flat, 1, generator=generator).view(probs.shape[:-1])
+
+
+def rejection_sample(
+    draft_tokens: torch.Tensor,          # [B, k] int64
+    draft_probs: torch.Tensor | None,    # [B, k, V]; None = drafted greedily (one-hot q)
+    target_probs: torch.Tensor,          # [B, k+1, V] target dist. at the sampling temperature
+    generator: torch.Generator | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:  # output_tokens [B, k+1] (-1 after the last), num_accepted [B]
+    B, k = draft_tokens.shape
+    if target_probs.shape[:2] != (B, k + 1):
+        raise ValueError(f"target_probs must be [B, k+1, V] = [{B}, {k + 1}, V], got {tuple(target_probs.shape)}")
+    if draft_probs is not None and draft_probs.shape != (B, k, target_probs.shape[-1]):
+        raise ValueError(f"draft_probs must be [B, k, V], got {tuple(draft_probs.shape)}")
+    device = target_probs.device
+    p_all = target_probs[:, :k]                                                   # [B, k, V]
+    p_draft = p_all.gather(-1, draft_tokens[..., None]).squeeze(-1)              # [B, k]
+    if draft_probs is None:
+        q_all = torch.zeros_like(p_all).scatter_(-1, draft_tokens[..., None], 1.0)
+    else:
+        q_all = draft_probs
+    q_draft = q_all.gather(-1, draft_tokens[..., None]).squeeze(-1)              # [B, k]
+
+    # accepted iff u < p/q, written without division: u * q < p (q > 0 for a drafted token)
+    uniform = torch.rand((B, k), generator=generator, device=device, dtype=p_draft.dtype)
+    accepted = uniform * q_draft < p_draft                                        # [B, k]
+    num_accepted = accepted.long().cumprod(dim=1).sum(dim=1)                      # [B]
+
+    # recovered distribution at every draft position, bonus distribution at position k
+    residual = (p_all - q_all).clamp_min(0)                                       # [B, k, V]
+    mass = residual.sum(-1, keepdim=True)
+    recovered = torch.where(mass > 0, residual / mass.clamp_min(1e-30), p_all)  # p == q: never rejected
+    final_dists = torch.cat([recovered, target_probs[:, k:]], dim=1)              # [B, k+1, V]
+    rows = torch.arange(B, device=device)
+    last_token = sample(final_dists[rows, num_accepted], generator)              # [B]
+
+    positions = torch.arange(k + 1, device=device)[None]                          # [1, k+1]
+    drafts_padded = torch.cat([draft_tokens, draft_tokens.new_full((B, 1), PLACEHOLDER)], dim=1)
+    output = torch.where(positions < num_accepted[:, None], drafts_padded,
+                         torch.full_like(drafts_padded, PLACEHOLDER))
+    output[rows, num_accepted] = last_token
+    return output, num_accepted
