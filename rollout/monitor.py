@@ -498,6 +498,7 @@ class MonitorConfig:
     min_slope: float = -0.5          # alert when the windowed slope's whole CI is below this (per nat)
     tensorboard: bool = True         # scalars under <out_dir>/tb
     plot_every: int = 10             # rewrite CSV + PNGs every this many steps; 0 = only on close()
+    plots: bool = True               # False: no PNGs (periodic or on close), e.g. headless workers
     seed: int = 0                    # bootstrap seed; step s uses seed + s
     hist_width: float = 0.01         # nats per cell of the cumulative per-position histogram
     max_entropy: float = 16.0        # histogram range; log(256k vocab) = 12.5 nats
@@ -621,7 +622,8 @@ class AcceptanceMonitor:
         try:
             if self._records:
                 self.summary_csv()
-                self.plot()
+                if self.config.plots:
+                    self.plot()
         finally:
             self._closed = True
             self._fh.close()
@@ -818,7 +820,8 @@ class AcceptanceMonitor:
             return
         try:
             self.summary_csv()
-            self.plot()
+            if self.config.plots:
+                self.plot()
         except Exception:  # noqa: BLE001 - figures are best effort, the JSONL is the record
             logger.exception("monitor: periodic CSV/plot failed at step %d", self._records[-1]["step"])
 
