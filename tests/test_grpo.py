@@ -1,0 +1,175 @@
+"""GRPO: advantages, the loss against a hand-computed reference, log-prob alignment with the
+engine, the entropy controls, and the one-step-ahead prefetcher."""
+import math
+import threading
+import time
+
+import pytest
+import torch
+
+from rollout.torch_engine import TorchEngine
+from rollout.types import Completion, RolloutBatch, SamplingParams
+from tests.conftest import tiny_config
+from rollout.models.decoder import random_model
+from trainers.grpo import (GRPOConfig, GRPOTrainer, Prefetcher, ScheduleConfig, group_advantages,
+                           grpo_token_loss, pack, token_logprobs)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny models gain nothing from threads, and 2 threads on 2 shared cores ran them ~40x slower."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture
+def policy():
+    return random_model(tiny_config(vocab_size=64), seed=1)
+
+
+def test_advantages_are_normalised_per_group():
+    r = torch.tensor([1.0, 0.0, 0.0, 1.0, 5.0, 5.0, 5.0, 5.0, 0.0, 1.0, 2.0, 3.0])
+    a = group_advantages(r, group_size=4).view(3, 4)
+    assert torch.allclose(a.mean(1), torch.zeros(3), atol=1e-6)
+    assert torch.allclose(a[0], torch.tensor([1.0, -1.0, -1.0, 1.0]), atol=1e-5)
+    assert torch.equal(a[1], torch.zeros(4))                       # equal rewards: no signal
+    assert torch.allclose(a[2].std(unbiased=False), torch.tensor(1.0), atol=1e-5)
+    with pytest.raises(ValueError, match="groups of 5"):
+        group_advantages(r, group_size=5)
+
+
+def test_loss_matches_hand_computed_reference():
+    logp = torch.tensor([-1.0, -0.5, -2.0, -0.1])
+    old = torch.tensor([-1.2, -0.5, -1.0, -0.4])
+    adv = torch.tensor([1.0, 1.0, -2.0, 0.5])
+    ent = torch.tensor([2.0, 1.0, 0.5, 3.0])
+    cl, ch, c, n = 0.2, 0.28, 0.1, 5          # n > 4: normalised by the step's token count
+    ref = 0.0
+    for lp, o, a, h in zip(logp.tolist(), old.tolist(), adv.tolist(), ent.tolist()):
+        r = math.exp(lp - o)
+        ref += -min(r * a, min(max(r, 1 - cl), 1 + ch) * a) - c * h
+    ref /= n
+    loss, stats = grpo_token_loss(logp, old, adv, ent, clip_low=cl, clip_high=ch, entropy_coef=c, num_tokens=n)
+    assert loss.item() == pytest.approx(ref, rel=1e-6)
+    # ratios: e^0.2 (clipped at 1.28? no: 1.22 < 1.28), 1, e^-1 = 0.37 (clipped low), e^0.3 = 1.35 (clipped high)
+    assert stats["clip_frac"].item() == pytest.approx(2 / 5)
+    assert stats["entropy"].item() == pytest.approx(6.5 / 5)
+
+
+def test_pack_places_completion_targets():
+    p = pack([[5, 6, 7], [8]], [[9, 10], [11, 12, 13]], [[-1.0, -2.0], [-3.0, -4.0, -5.0]], [0.5, -1.0])
+    assert p.seq.tolist() == [[5, 6, 7, 9, 10], [8, 11, 12, 13, 0]]
+    assert p.seq[:, 1:][p.target].tolist() == [9, 10, 11, 12, 13]
+    assert p.old_logp.tolist() == [-1.0, -2.0, -3.0, -4.0, -5.0]
+    assert p.adv.tolist() == [0.5, 0.5, -1.0, -1.0, -1.0]
+
+
+def _rollouts(policy, n=4, temperature=1.0, seed=0, max_new_tokens=6):
+    prompts = [[2 + i, 3, 4 + i][: 2 + i % 2] for i in range(n)]
+    return TorchEngine(policy).generate(prompts, SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature,
+                                                                seed=seed, ignore_eos=True))
+
+
+def test_trainer_logprobs_equal_rollout_logprobs_before_any_update(policy):
+    batch = _rollouts(policy)
+    cs = batch.completions
+    packed = pack([c.prompt for c in cs], [c.tokens for c in cs], [c.logprobs for c in cs], [0.0] * len(cs))
+    trainer = GRPOTrainer(policy, GRPOConfig(group_size=2), total_steps=1)
+    with torch.no_grad():
+        logp, ent = token_logprobs(trainer.model, packed)
+    assert torch.allclose(logp, packed.old_logp, atol=1e-5)       # ratio 1 on-policy
+    assert (ent > 0).all()
+
+
+def test_positive_advantage_raises_that_completions_probability(policy):
+    batch = _rollouts(policy, n=2)
+    cfg = GRPOConfig(group_size=2, lr=1e-2, entropy_coef=ScheduleConfig(0.0, 0.0), micro_batch=1)
+    trainer = GRPOTrainer(policy, cfg, total_steps=1)
+    before = {n: p.clone() for n, p in trainer.model.named_parameters()}
+    cs = batch.completions
+    packed = pack([c.prompt for c in cs], [c.tokens for c in cs], [c.logprobs for c in cs], [0.0, 0.0])
+    stats = trainer.step(batch, rewards=[1.0, 0.0], step=0)
+    with torch.no_grad():
+        logp, _ = token_logprobs(trainer.model, packed)
+    n0 = len(cs[0].tokens)
+    assert logp[:n0].sum() > packed.old_logp[:n0].sum()           # rewarded completion: more likely
+    assert logp[n0:].sum() < packed.old_logp[n0:].sum()           # the other: less likely
+    changed = {n for n, p in trainer.model.named_parameters() if not torch.equal(p, before[n])}
+    assert changed == set(trainer.trainable_names)
+    assert all(n.startswith(("model.layers.0.", "model.layers.1.", "model.norm.")) for n in changed)
+    assert stats["reward"] == 0.5 and stats["num_tokens"] == 12
+
+
+def test_trained_weights_reach_an_engine(policy):
+    trainer = GRPOTrainer(policy, GRPOConfig(group_size=2, train_last_layers=1, lr=1e-2), total_steps=1)
+    trainer.step(_rollouts(policy, n=2), rewards=[1.0, 0.0], step=0)
+    w = trainer.trained_weights()
+    assert set(w) == {n for n in w if n.startswith(("model.layers.1.", "model.norm."))} and w
+    engine = TorchEngine(random_model(tiny_config(vocab_size=64), seed=1))
+    engine.update_policy(w, version=1)
+    tokens = torch.tensor([[3, 4, 5]])
+    with torch.no_grad():
+        assert torch.allclose(engine.policy(tokens), trainer.model(tokens), atol=1e-5)
+
+
+def test_bad_trainable_selection_is_rejected(policy):
+    with pytest.raises(ValueError, match="train_last_layers"):
+        GRPOTrainer(policy, GRPOConfig(train_last_layers=3), total_steps=1)
+    with pytest.raises(ValueError, match="no policy parameter"):
+        GRPOTrainer(policy, GRPOConfig(train_last_layers=0, train_final_norm=False), total_steps=1)
+
+
+def test_schedules():
+    lin = ScheduleConfig(0.5, 1.5)
+    assert [lin.at(s, 5) for s in range(5)] == pytest.approx([0.5, 0.75, 1.0, 1.25, 1.5])
+    assert ScheduleConfig(0.7, 2.0, "constant").at(4, 5) == 0.7
+    cos = ScheduleConfig(0.0, 1.0, "cosine")
+    assert cos.at(0, 11) == 0.0 and cos.at(5, 11) == pytest.approx(0.5) and cos.at(10, 11) == pytest.approx(1.0)
+    with pytest.raises(ValueError, match="shape"):
+        ScheduleConfig(0, 1, "exponential")
+
+
+def test_entropy_bonus_raises_policy_entropy(policy):
+    """Zero-advantage batches (all rewards equal) leave only the bonus: entropy must climb."""
+    cfg = GRPOConfig(group_size=2, lr=3e-2, entropy_coef=ScheduleConfig(0.5, 0.5, "constant"))
+    trainer = GRPOTrainer(policy, cfg, total_steps=6)
+    entropies = []
+    for step in range(6):
+        stats = trainer.step(_rollouts(trainer.model, n=4, seed=step), rewards=[0.0] * 4, step=step)
+        entropies.append(stats["entropy"])
+    assert entropies[-1] > entropies[0] + 0.05, entropies
+
+
+def test_temperature_schedule_raises_rollout_entropy(policy):
+    """The monitor's entropy is that of the sampled (temperature-scaled) distribution."""
+    sched = ScheduleConfig(0.5, 1.5)
+    means = []
+    for step in range(3):
+        b = _rollouts(policy, n=4, temperature=sched.at(step, 3), seed=step, max_new_tokens=8)
+        means.append(sum(h for c in b.completions for h in c.entropies) / b.num_tokens)
+    assert means[0] < means[1] < means[2], means
+
+
+def test_prefetcher_runs_the_next_generation_while_the_caller_trains():
+    started, log = threading.Event(), []
+
+    def generate(step):
+        log.append(("gen-start", step))
+        started.set()
+        time.sleep(0.05)
+        return RolloutBatch([Completion(prompt=[1], tokens=[step], logprobs=[0.0], entropies=[0.0])])
+
+    pre = Prefetcher(generate)
+    pre.submit(0)
+    assert pre.result().completions[0].tokens == [0]
+    started.clear()
+    pre.submit(1)
+    assert started.wait(2.0)                  # generation of step 1 began before its result is asked for
+    log.append(("train", 0))
+    with pytest.raises(RuntimeError, match="in flight"):
+        pre.submit(2)
+    assert pre.result().completions[0].tokens == [1]
+    pre.close()
+    assert log == [("gen-start", 0), ("gen-start", 1), ("train", 0)]
