@@ -24,6 +24,7 @@ import os
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
+from itertools import chain
 from pathlib import Path
 from typing import Any
 
@@ -189,22 +190,29 @@ class PositionPoints:
         return int(self.entropy.size)
 
 
-def _round_rows(c: Completion) -> Iterable[tuple[float, int, bool, bool]]:
-    """(entropy, j, reached, accepted) for every draft position of one completion, checked."""
+def _completion_points(c: Completion) -> PositionPoints | None:
+    """Rows of one completion, vectorised over its rounds (ragged rounds allowed); None if
+    the engine recorded counts but no entropies (nothing to place on the x-axis)."""
+    if not c.draft_entropies:
+        return None
     k = c.num_draft_tokens
-    if not c.draft_entropies:   # engine gave counts but no entropies: nothing to place on the x-axis
-        return
     if len(c.draft_entropies) != len(c.round_accepted):
         raise ValueError(f"draft_entropies has {len(c.draft_entropies)} rounds, "
                          f"round_accepted has {len(c.round_accepted)}")
-    for r, (a, hs) in enumerate(zip(c.round_accepted, c.draft_entropies)):
-        if not 0 <= a <= k:
-            raise ValueError(f"round {r}: accepted {a} outside [0, k={k}]")
-        if not min(a + 1, k) <= len(hs) <= k:
-            raise ValueError(f"round {r}: {len(hs)} draft entropies for k={k} with {a} accepted "
-                             f"(need every reached position, at most k)")
-        for j, h in enumerate(hs):
-            yield float(h), j, j <= a, j < a
+    acc = np.asarray(c.round_accepted, np.int64)                         # [R]
+    lens = np.fromiter(map(len, c.draft_entropies), np.int64, acc.size)  # [R]
+    bad = np.flatnonzero((acc < 0) | (acc > k))
+    if bad.size:
+        raise ValueError(f"round {bad[0]}: accepted {acc[bad[0]]} outside [0, k={k}]")
+    bad = np.flatnonzero((lens < np.minimum(acc + 1, k)) | (lens > k))
+    if bad.size:
+        r = bad[0]
+        raise ValueError(f"round {r}: {lens[r]} draft entropies for k={k} with {acc[r]} accepted "
+                         f"(need every reached position, at most k)")
+    ent = np.fromiter(chain.from_iterable(c.draft_entropies), np.float64, int(lens.sum()))  # [M]
+    pos = np.arange(ent.size) - np.repeat(np.cumsum(lens) - lens, lens)  # [M] j within its round
+    acc_rep = np.repeat(acc, lens)                                       # [M]
+    return PositionPoints(ent, pos, pos <= acc_rep, pos < acc_rep)
 
 
 def position_points(completions: Iterable[Completion]) -> PositionPoints:
@@ -214,12 +222,13 @@ def position_points(completions: Iterable[Completion]) -> PositionPoints:
     j < round_accepted[r]. Unreached positions are kept (reached=False) when the engine
     recorded their entropy. Completions without draft_entropies contribute no rows.
     """
-    rows = [row for c in completions for row in _round_rows(c)]
-    if not rows:
+    parts = [p for p in map(_completion_points, completions) if p is not None]
+    if not parts:
         return PositionPoints(np.empty(0), np.empty(0, np.int64), np.empty(0, bool), np.empty(0, bool))
-    ent, pos, reached, acc = zip(*rows)
-    pts = PositionPoints(np.asarray(ent, np.float64), np.asarray(pos, np.int64),
-                         np.asarray(reached, bool), np.asarray(acc, bool))
+    def cat(name: str) -> np.ndarray:
+        return np.concatenate([getattr(p, name) for p in parts])
+
+    pts = PositionPoints(cat("entropy"), cat("position"), cat("reached"), cat("accepted"))
     if not np.isfinite(pts.entropy).all():
         raise ValueError("draft_entropies contain NaN or inf")
     return pts
@@ -793,7 +802,7 @@ class AcceptanceMonitor:
         state = {"step": self._records[-1]["step"] if self._records else None,
                  "all": self._all.hist.to_dict(),
                  "domains": {d: g.hist.to_dict() for d, g in self._domains.items()}}
-        _atomic_write(self.out_dir / self.STATE, lambda f: json.dump(state, f))
+        _atomic_write(self.out_dir / self.STATE, lambda f: f.write(json.dumps(state)))  # dumps: C encoder
 
     def _load_state(self) -> None:
         path = self.out_dir / self.STATE
