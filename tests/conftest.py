@@ -1,0 +1,33 @@
+"""Tiny float32 random models shared by the tests."""
+import pytest
+import torch
+
+from mtp_heads.heads import MTPHeads, init_heads
+from rollout.models.config import ModelConfig
+from rollout.models.decoder import random_model
+
+torch.set_num_threads(2)
+
+
+def tiny_config(vocab_size: int = 64, **overrides) -> ModelConfig:
+    base = dict(vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                eos_token_ids=(1,), rope_theta=10000.0)
+    base.update(overrides)
+    return ModelConfig(**base)
+
+
+@pytest.fixture
+def tiny_policy():
+    return random_model(tiny_config(), seed=0)
+
+
+@pytest.fixture
+def tiny_heads(tiny_policy):
+    torch.manual_seed(0)
+    return init_heads(tiny_policy, num_depths=2)
+
+
+def random_heads(policy, num_depths: int, seed: int = 0) -> MTPHeads:
+    torch.manual_seed(seed)
+    return MTPHeads(policy.config, num_depths)

@@ -1,0 +1,165 @@
+"""The torch engine: speculative decoding never changes what is generated."""
+import pytest
+import torch
+from scipy.stats import chi2_contingency
+
+import rollout.torch_engine as torch_engine_module
+from mtp_heads.heads import MTPHeads
+from rollout.models.decoder import random_model
+from rollout.torch_engine import TorchEngine
+from rollout.types import SamplingParams
+from tests.conftest import random_heads, tiny_config
+from tests.test_verify import lossy_rejection_sample
+
+PROMPTS = [[5, 6, 7], [8, 9, 10, 11, 12, 13, 14, 15, 16], [3], [20, 21, 22, 23, 24]]
+
+
+def test_plain_greedy_matches_a_naive_loop(tiny_policy):
+    """k = 0 with the cache equals argmax over a full forward each step."""
+    engine = TorchEngine(tiny_policy)
+    out = engine.generate(PROMPTS[:2], SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True))
+    for prompt, comp in zip(PROMPTS[:2], out.completions):
+        tokens = list(prompt)
+        for _ in range(12):
+            tokens.append(int(tiny_policy(torch.tensor([tokens]))[0, -1].argmax()))
+        assert comp.tokens == tokens[len(prompt):]
+
+
+@pytest.mark.parametrize("k", [1, 2, 4])
+@pytest.mark.parametrize("mode", ["greedy", "rejection"])
+def test_temperature_zero_speculative_equals_plain(tiny_policy, tiny_heads, k, mode):
+    engine = TorchEngine(tiny_policy, tiny_heads)
+    plain = engine.generate(PROMPTS, SamplingParams(max_new_tokens=24, temperature=0, ignore_eos=True))
+    spec = engine.generate(PROMPTS, SamplingParams(max_new_tokens=24, temperature=0, ignore_eos=True,
+                                                   num_draft_tokens=k, draft_mode=mode))
+    for a, b in zip(plain.completions, spec.completions):
+        assert a.tokens == b.tokens
+        assert len(b.tokens) == 24
+    # the batch is a real test of per-row positions: rows accepted different numbers of drafts
+    per_row_accepted = [sum(c.round_accepted) for c in spec.completions]
+    assert len(set(per_row_accepted)) > 1 and max(per_row_accepted) > 0
+    rounds = [c.round_accepted for c in spec.completions]
+    assert any(len(set(r)) > 1 for r in rounds)
+
+
+def test_stop_tokens_and_max_new_tokens(tiny_policy, tiny_heads):
+    engine = TorchEngine(tiny_policy, tiny_heads)
+    plain = engine.generate(PROMPTS, SamplingParams(max_new_tokens=30, temperature=0, ignore_eos=True))
+    stop = plain.completions[1].tokens[7]
+    for k in (0, 3):
+        out = engine.generate(PROMPTS, SamplingParams(max_new_tokens=30, temperature=0, ignore_eos=True,
+                                                      stop_token_ids=(stop,), num_draft_tokens=k))
+        for ref, comp in zip(plain.completions, out.completions):
+            if stop in ref.tokens:
+                cut = ref.tokens.index(stop) + 1
+                assert comp.tokens == ref.tokens[:cut] and comp.finish_reason == "stop"
+            else:
+                assert comp.tokens == ref.tokens and comp.finish_reason == "length"
+
+
+def test_seed_reproducible_and_versions_stamped(tiny_policy, tiny_heads):
+    engine = TorchEngine(tiny_policy, tiny_heads, policy_version=3, head_version=7)
+    sp = SamplingParams(max_new_tokens=16, temperature=1.0, num_draft_tokens=3, seed=11, ignore_eos=True)
+    a, b = engine.generate(PROMPTS, sp), engine.generate(PROMPTS, sp)
+    assert [c.tokens for c in a.completions] == [c.tokens for c in b.completions]
+    assert all(c.policy_version == 3 and c.head_version == 7 for c in a.completions)
+    stats = a.spec_stats()
+    assert stats.num_draft_tokens == 3 * stats.num_drafts
+    assert stats.num_emitted_tokens == stats.num_accepted_tokens + stats.num_drafts
+
+
+@pytest.mark.parametrize("k", [0, 3])
+def test_logprobs_equal_teacher_forced_forward(tiny_policy, tiny_heads, k):
+    engine = TorchEngine(tiny_policy, tiny_heads)
+    out = engine.generate(PROMPTS, SamplingParams(max_new_tokens=20, temperature=1.0, num_draft_tokens=k,
+                                                  seed=0, ignore_eos=True, return_hidden_states=True))
+    for comp in out.completions:
+        full = torch.tensor([comp.prompt + comp.tokens])
+        hidden = tiny_policy.hidden_states(full)[0]
+        logp = tiny_policy.compute_logits(hidden).log_softmax(-1)
+        P = len(comp.prompt)
+        expected = logp[P - 1:-1].gather(-1, torch.tensor(comp.tokens)[:, None]).squeeze(-1)
+        assert torch.allclose(torch.tensor(comp.logprobs), expected, atol=1e-4)
+        assert torch.allclose(torch.from_numpy(comp.hidden_states), hidden[P - 1:-1], atol=1e-4)
+        probs = logp[P - 1:-1].exp()
+        ent = -(probs * logp[P - 1:-1]).sum(-1)
+        assert torch.allclose(torch.tensor(comp.entropies), ent, atol=1e-4)
+
+
+def test_cache_after_rejection_equals_fresh_prefill(tiny_policy):
+    """Rewinding is a length change: after each round the cache must reproduce a fresh prefill."""
+    engine = TorchEngine(tiny_policy, random_heads(tiny_policy, 2))
+    sp = SamplingParams(max_new_tokens=24, temperature=1.0, num_draft_tokens=3, seed=0, ignore_eos=True)
+    gen = torch.Generator().manual_seed(0)
+    state, caches = engine._prefill(PROMPTS, sp, gen)
+    rejections = 0
+    for _ in range(6):
+        n, _, _ = engine._round(state, caches, sp, gen)
+        rejections += int((n < 3).sum())
+        cache = caches[0]
+        c = state.committed
+        pending = state.seq.gather(1, (c - 1)[:, None])
+        cached_logits = tiny_policy(pending, cache, c - 1)[:, 0]
+        for b in range(len(PROMPTS)):
+            fresh = tiny_policy(state.seq[b:b + 1, :int(c[b])])[0, -1]
+            assert torch.allclose(cached_logits[b], fresh, atol=1e-4)
+    assert rejections > 0
+
+
+def _continuation_counts(engine, sp, n_rows):
+    out = engine.generate([[4, 2]] * n_rows, sp)
+    return [tuple(c.tokens) for c in out.completions]
+
+
+def _chi2_pvalue(a, b):
+    cats = sorted(set(a) | set(b))
+    table = [[a.count(x) for x in cats], [b.count(x) for x in cats]]
+    keep = [i for i in range(len(cats)) if table[0][i] + table[1][i] >= 10]
+    return chi2_contingency([[row[i] for i in keep] for row in table]).pvalue
+
+
+@pytest.mark.parametrize("mode", ["rejection", "greedy"])
+def test_sequence_distribution_unchanged_by_drafts(mode, monkeypatch):
+    """3-token continuations with drafts vs without: same distribution (chi-square); lossy fails."""
+    cfg = tiny_config(vocab_size=5)
+    policy = random_model(cfg, seed=3)
+    engine = TorchEngine(policy, random_heads(policy, 1, seed=5))  # acceptance ~0.5 / ~0.1
+    n = 4000
+    base = SamplingParams(max_new_tokens=3, temperature=1.0, ignore_eos=True, seed=1)
+    plain = _continuation_counts(engine, base, n)
+    spec_sp = SamplingParams(max_new_tokens=3, temperature=1.0, ignore_eos=True, seed=2,
+                             num_draft_tokens=2, draft_mode=mode)
+    spec = _continuation_counts(engine, spec_sp, n)
+    assert _chi2_pvalue(plain, spec) > 1e-3
+    monkeypatch.setattr(torch_engine_module, "rejection_sample", lossy_rejection_sample)
+    lossy = _continuation_counts(engine, spec_sp, n)
+    assert _chi2_pvalue(plain, lossy) < 1e-6
+
+
+@pytest.mark.parametrize("bad, message", [
+    (dict(prompts=[[]]), "empty"),
+    (dict(prompts=[[1, 64]]), "outside the vocabulary"),
+    (dict(prompts=[[1, -1]]), "outside the vocabulary"),
+    (dict(max_new_tokens=300), "context length"),
+    (dict(num_draft_tokens=-1), "num_draft_tokens"),
+    (dict(temperature=-0.5), "temperature"),
+    (dict(top_p=0.0), "top_p"),
+    (dict(top_p=1.5), "top_p"),
+    (dict(draft_mode="beam"), "draft_mode"),
+    (dict(prompts=[]), "prompts is empty"),
+])
+def test_bad_input_raises_before_any_work(tiny_policy, tiny_heads, bad, message):
+    engine = TorchEngine(tiny_policy, tiny_heads)
+    prompts = bad.pop("prompts", [[1, 2, 3]])
+    with pytest.raises(ValueError, match=message):
+        engine.generate(prompts, SamplingParams(**bad))
+
+
+def test_heads_for_another_policy_are_rejected(tiny_policy):
+    other = tiny_config(hidden_size=48)
+    with pytest.raises(ValueError, match="hidden_size"):
+        TorchEngine(tiny_policy, MTPHeads(other, 1))
+    with pytest.raises(ValueError, match="vocab_size"):
+        TorchEngine(tiny_policy, MTPHeads(tiny_config(vocab_size=100), 1))
+    with pytest.raises(ValueError, match="needs MTP heads"):
+        TorchEngine(tiny_policy).generate([[1, 2]], SamplingParams(num_draft_tokens=2))

@@ -1,0 +1,115 @@
+"""rejection_sample is lossless, and its acceptance matches the theory."""
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from rollout.verify import PLACEHOLDER, process_logits, rejection_sample, sample
+
+
+def _random_dist(V: int, gen: torch.Generator, sharpness: float = 2.0) -> torch.Tensor:
+    return (torch.randn(V, generator=gen) * sharpness).softmax(-1)
+
+
+def lossy_rejection_sample(draft_tokens, draft_probs, target_probs, generator=None):
+    """The classic mistake: after a rejection, resample from p instead of norm(max(0, p - q))."""
+    out, n = rejection_sample(draft_tokens, draft_probs, target_probs, generator)
+    k = draft_tokens.shape[1]
+    rows = torch.arange(out.shape[0])
+    rejected = n < k
+    from_p = sample(target_probs[rows, n], generator)
+    out[rows, n] = torch.where(rejected, from_p, out[rows, n])
+    return out, n
+
+
+def _first_token_histogram(fn, p, q, trials, gen, greedy=False):
+    V = p.shape[-1]
+    draft_probs = q.expand(trials, 1, V)
+    drafts = q.argmax().expand(trials, 1).clone() if greedy else sample(draft_probs, gen)
+    target = p.expand(trials, 2, V)
+    out, _ = fn(drafts, None if greedy else draft_probs, target, gen)
+    return torch.bincount(out[:, 0], minlength=V).double()
+
+
+@pytest.mark.parametrize("greedy", [False, True])
+def test_first_token_distribution_equals_target(greedy):
+    gen = torch.Generator().manual_seed(0)
+    V = 8
+    p, q = _random_dist(V, gen), _random_dist(V, gen)
+    distances = []
+    for trials in (2_000, 200_000):
+        counts = _first_token_histogram(rejection_sample, p, q, trials, gen, greedy)
+        distances.append(0.5 * (counts / trials - p.double()).abs().sum().item())
+    assert distances[1] < distances[0] / 3, distances   # ~ 1/sqrt(n): 10x fewer samples -> ~10x farther
+    assert distances[1] < 0.01
+    assert chisquare(counts.numpy(), (p.double() * 200_000).numpy()).pvalue > 1e-3
+
+
+@pytest.mark.parametrize("greedy", [False, True])
+def test_lossy_variant_fails_the_same_test(greedy):
+    gen = torch.Generator().manual_seed(0)
+    V = 8
+    p = _random_dist(V, gen)
+    q = p.roll(3)  # the draft's favourite is not the target's, so rejections are common
+    trials = 200_000
+    counts = _first_token_histogram(lossy_rejection_sample, p, q, trials, gen, greedy)
+    assert 0.5 * (counts / trials - p.double()).abs().sum().item() > 0.02  # the correct sampler: < 0.01
+    assert chisquare(counts.numpy(), (p.double() * trials).numpy()).pvalue < 1e-6
+
+
+def test_per_position_acceptance_matches_theory():
+    gen = torch.Generator().manual_seed(1)
+    k, V, trials = 3, 12, 100_000
+    p = torch.stack([_random_dist(V, gen, s) for s in (1.0, 2.0, 3.0, 1.5)])     # [k+1, V]
+    q = torch.stack([_random_dist(V, gen, s) for s in (1.0, 2.0, 3.0)])          # [k, V]
+    target = p.expand(trials, k + 1, V)
+    # rejection mode: acceptance at j (given reached) = 1 - TV(p_j, q_j) = sum min(p, q)
+    drafts = sample(q.expand(trials, k, V), gen)
+    _, n = rejection_sample(drafts, q.expand(trials, k, V), target, gen)
+    # greedy mode: acceptance = p_j(argmax q_j)
+    greedy_drafts = q.argmax(-1).expand(trials, k).clone()
+    _, n_greedy = rejection_sample(greedy_drafts, None, target, gen)
+    for j in range(k):
+        for counts, theory in ((n, torch.minimum(p[j], q[j]).sum()), (n_greedy, p[j, q[j].argmax()])):
+            reached = (counts >= j).sum().item()
+            rate = (counts > j).sum().item() / reached
+            se = (theory * (1 - theory) / reached) ** 0.5
+            assert abs(rate - theory.item()) < 5 * se + 1e-3, (j, rate, theory.item())
+
+
+def test_output_layout_and_greedy_exactness():
+    # temperature 0: one-hot p; drafts [3, 3, 5] against argmax path [3, 3, 4, 9]
+    V = 10
+    p = torch.zeros(1, 4, V)
+    for j, t in enumerate([3, 3, 4, 9]):
+        p[0, j, t] = 1.0
+    out, n = rejection_sample(torch.tensor([[3, 3, 5]]), None, p)
+    assert n.tolist() == [2]
+    assert out.tolist() == [[3, 3, 4, PLACEHOLDER]]
+    out, n = rejection_sample(torch.tensor([[3, 3, 4]]), None, p)
+    assert n.tolist() == [3] and out.tolist() == [[3, 3, 4, 9]]   # bonus token
+
+
+def test_k_zero_is_plain_sampling():
+    p = torch.tensor([[[0.0, 1.0, 0.0]]])
+    out, n = rejection_sample(torch.zeros(1, 0, dtype=torch.long), None, p)
+    assert out.tolist() == [[1]] and n.tolist() == [0]
+
+
+def test_bad_shapes_raise():
+    with pytest.raises(ValueError, match="k\\+1"):
+        rejection_sample(torch.zeros(2, 3, dtype=torch.long), None, torch.rand(2, 3, 5))
+    with pytest.raises(ValueError, match="draft_probs"):
+        rejection_sample(torch.zeros(2, 3, dtype=torch.long), torch.rand(2, 2, 5), torch.rand(2, 4, 5))
+
+
+def test_process_logits_top_k_top_p_temperature():
+    logits = torch.tensor([[2.0, 1.0, 0.5, -1.0]])
+    assert process_logits(logits, 0.0).tolist() == [[1.0, 0.0, 0.0, 0.0]]
+    top2 = process_logits(logits, 1.0, top_k=2)
+    assert (top2[0, 2:] == 0).all() and torch.allclose(top2.sum(), torch.tensor(1.0))
+    full = logits.softmax(-1)[0]
+    # top_p just above p(0): keeps tokens 0 and 1 only
+    top_p = process_logits(logits, 1.0, top_p=float(full[0]) + 1e-3)
+    assert (top_p[0, 2:] == 0).all() and (top_p[0, :2] > 0).all()
+    hot = process_logits(logits, 0.5)
+    assert hot[0, 0] > full[0]
