@@ -20,6 +20,7 @@ import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -211,7 +212,7 @@ class Prefetcher:
     generate calls: batch t+1 is produced by the policy of step t (one step off-policy).
     """
 
-    def __init__(self, generate: Callable[[int], RolloutBatch]):
+    def __init__(self, generate: Callable[[int], Any]):
         self._generate = generate
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollouts")
         self._pending: Future | None = None
@@ -223,7 +224,7 @@ class Prefetcher:
                 raise RuntimeError("a generation is already in flight: call result() before the next submit()")
             self._pending = self._pool.submit(self._generate, step)
 
-    def result(self) -> RolloutBatch:
+    def result(self) -> Any:
         with self._lock:
             if self._pending is None:
                 raise RuntimeError("nothing was submitted")
