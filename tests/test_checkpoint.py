@@ -1,0 +1,112 @@
+"""Head checkpoints: round trip, atomic writes, refusal of heads built for another policy."""
+import json
+
+import pytest
+import torch
+
+import mtp_heads.checkpoint as ckpt
+from mtp_heads.checkpoint import (HeadMeta, default_heads_path, draft_vocab_of, load_heads, read_meta, save_heads,
+                                  set_draft_vocab, sidecar_path)
+from mtp_heads.heads import init_heads
+from rollout.models.decoder import random_model
+from tests.conftest import tiny_config
+
+
+def _meta(heads, **kw):
+    return HeadMeta.for_heads(heads, loss="tv", steps=7, head_version=3, model_spec="tiny", **kw)
+
+
+def test_round_trip_weights_meta_and_draft_vocab(tmp_path, tiny_policy, tiny_heads):
+    set_draft_vocab(tiny_heads, torch.tensor([5, 3, 9, 3]))
+    path = tmp_path / "h.safetensors"
+    written = save_heads(path, tiny_heads, _meta(tiny_heads))
+    heads, meta = load_heads(path, tiny_policy)
+    assert meta == written and meta.created > 0
+    assert (meta.loss, meta.steps, meta.head_version, meta.num_depths, meta.draft_vocab_size) == ("tv", 7, 3, 2, 3)
+    assert meta.policy_fingerprint == tiny_policy.config.fingerprint()
+    sd0, sd1 = tiny_heads.state_dict(), heads.state_dict()
+    assert sd0.keys() == sd1.keys() and all(torch.equal(sd0[k], sd1[k]) for k in sd0)
+    assert draft_vocab_of(heads).tolist() == [3, 5, 9]              # sorted, unique
+    assert "draft_vocab" not in heads.state_dict()                    # engines see the usual names
+    side = json.loads(sidecar_path(path).read_text())
+    assert side["policy_fingerprint"] == meta.policy_fingerprint and side["steps"] == 7
+    assert read_meta(path) == meta
+
+
+def test_full_vocabulary_checkpoint_has_no_draft_vocab(tmp_path, tiny_policy, tiny_heads):
+    path = tmp_path / "h.safetensors"
+    save_heads(path, tiny_heads, _meta(tiny_heads))
+    heads, meta = load_heads(path, tiny_policy)
+    assert draft_vocab_of(heads) is None and meta.draft_vocab_size == 0
+
+
+def test_failed_write_leaves_old_checkpoint_intact(tmp_path, tiny_policy, tiny_heads, monkeypatch):
+    path = tmp_path / "h.safetensors"
+    save_heads(path, tiny_heads, _meta(tiny_heads))
+    before = path.read_bytes(), sidecar_path(path).read_bytes()
+    changed = init_heads(tiny_policy, 2, seed=1)
+
+    def broken(tensors, filename, metadata=None):
+        with open(filename, "wb") as f:
+            f.write(b"partial")
+        raise OSError("disk full")
+    monkeypatch.setattr(ckpt, "save_file", broken)
+    with pytest.raises(OSError, match="disk full"):
+        save_heads(path, changed, _meta(changed, ))
+    assert (path.read_bytes(), sidecar_path(path).read_bytes()) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["h.json", "h.safetensors"]   # no temp files left
+    heads, _ = load_heads(path, tiny_policy)
+    assert torch.equal(heads.depths[0].eh_proj.weight, tiny_heads.depths[0].eh_proj.weight)
+
+
+@pytest.mark.parametrize("override, what", [
+    (dict(num_hidden_layers=3), "fingerprint"),
+    (dict(hidden_size=48, intermediate_size=64), "fingerprint"),
+    (dict(vocab_size=80), "fingerprint"),
+])
+def test_heads_for_another_policy_are_refused(tmp_path, tiny_heads, override, what):
+    path = tmp_path / "h.safetensors"
+    save_heads(path, tiny_heads, _meta(tiny_heads))
+    other = random_model(tiny_config(**override), seed=1)
+    with pytest.raises(ValueError, match=f"{what}.*this policy is .*mtp-rollout train-heads"):
+        load_heads(path, other)
+
+
+def test_hidden_and_vocab_checks_name_the_property(tiny_policy, tiny_heads):
+    meta = _meta(tiny_heads)
+    fp = tiny_policy.config.fingerprint()
+    with pytest.raises(ValueError, match="hidden size 99, this policy has 32"):
+        ckpt.check_meta(HeadMeta(fp, 99, 64, 2), tiny_policy, "x")
+    with pytest.raises(ValueError, match="vocabulary size 70, this policy has 64"):
+        ckpt.check_meta(HeadMeta(fp, 32, 70, 2), tiny_policy, "x")
+    ckpt.check_meta(meta, tiny_policy, "x")
+
+
+def test_meta_must_describe_the_heads(tmp_path, tiny_heads):
+    bad = HeadMeta("0" * 16, 32, 64, 2)
+    with pytest.raises(ValueError, match="does not describe these heads"):
+        save_heads(tmp_path / "h.safetensors", tiny_heads, bad)
+
+
+def test_missing_or_foreign_file(tmp_path, tiny_policy):
+    with pytest.raises(ValueError, match="no head checkpoint.*train-heads"):
+        load_heads(tmp_path / "nope.safetensors", tiny_policy)
+    from safetensors.torch import save_file
+    save_file({"x": torch.zeros(2)}, str(tmp_path / "f.safetensors"))
+    with pytest.raises(ValueError, match="without an MTP-head header"):
+        load_heads(tmp_path / "f.safetensors", tiny_policy)
+
+
+def test_draft_vocab_validation(tiny_heads):
+    with pytest.raises(ValueError, match=r"draft_vocab must be .* in \[0, 64\)"):
+        set_draft_vocab(tiny_heads, torch.tensor([1, 64]))
+    set_draft_vocab(tiny_heads, torch.tensor([1, 2]))
+    set_draft_vocab(tiny_heads, None)
+    assert draft_vocab_of(tiny_heads) is None
+
+
+def test_default_heads_path_uses_cache_env(tmp_path, monkeypatch):
+    monkeypatch.setenv("MTP_ROLLOUT_CACHE", str(tmp_path))
+    p = default_heads_path("smollm2-135m", 3, "tv")
+    assert p == tmp_path / "heads" / "smollm2-135m-D3-tv.safetensors"
+    assert default_heads_path("/a b/model dir", 2, "ce", 8192).name == "a_b_model_dir-D2-ce-dv8192.safetensors"
