@@ -370,3 +370,28 @@ def test_real_default_model():
     prompt = apply_chat_template(m, [{"role": "user", "content": "Hi"}])
     assert m.tokenizer.decode(prompt, skip_special_tokens=False).startswith(
         "<|im_start|>system\nYou are a helpful AI assistant named SmolLM")
+
+
+@pytest.mark.slow  # importing transformers alone costs ~9 s of CPU
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_exported_dir_loads_in_transformers(tmp_path, arch):
+    """The export is what vLLM reads; transformers reads the same files, so it checks config.json,
+    tensor names and the tokenizer files independently of our own loader (and the decoder too)."""
+    transformers = pytest.importorskip("transformers")
+    cfg = tiny_config(tie=arch != "llama", architecture=arch, attention_bias=arch == "qwen2",
+                      qk_norm=arch == "qwen3")
+    sd = random_weights(cfg, seed=2)
+    loaded = LoadedModel(cfg, sd, None, None, "test")
+    if arch == "llama":
+        loaded = load_gguf(write_gguf(tmp_path / "m.gguf", cfg, sd))     # with its tokenizer
+    out = export_hf_dir(loaded, tmp_path / "export")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(hf(TOKENS_IN).logits, logits(cfg, loaded.state_dict), atol=1e-4, rtol=1e-4)
+    if loaded.tokenizer is not None:
+        tok = transformers.AutoTokenizer.from_pretrained(out)
+        msgs = [{"role": "user", "content": "the cat 42"}]
+        ids = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
+        ids = ids["input_ids"] if hasattr(ids, "keys") else ids
+        assert list(ids) == apply_chat_template(loaded, msgs)
+        assert tok("héllo the cat")["input_ids"] == loaded.tokenizer.encode("héllo the cat").ids
