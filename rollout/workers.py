@@ -1,0 +1,110 @@
+"""RolloutWorker: one engine behind a Ray actor.
+
+The actor is sequential (one call at a time), so a weight update queued while a generate
+call runs is applied after it, never in the middle of a decode round, and calls from the
+facade run in the order they were sent. Weights arrive as rollout.weights.FlatWeights (one
+object-store buffer per sync); every completion carries the versions it ran with.
+"""
+from __future__ import annotations
+
+import importlib
+import os
+import time
+from typing import TYPE_CHECKING, Callable, Protocol
+
+import torch
+
+from rollout.models.config import ModelConfig
+from rollout.types import RolloutBatch, SamplingParams
+from rollout.weights import FlatWeights, heads_from_flat, policy_from_flat, unpack
+
+if TYPE_CHECKING:
+    from mtp_heads.heads import MTPHeads
+    from rollout.accelerator import WorkerConfig
+    from rollout.models.decoder import CausalLM
+
+
+class Engine(Protocol):
+    policy_version: int
+    head_version: int
+
+    def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> RolloutBatch: ...
+    def update_policy(self, state_dict: dict[str, torch.Tensor], version: int) -> None: ...
+    def update_heads(self, state_dict: dict[str, torch.Tensor], version: int) -> None: ...
+
+
+def _torch_engine(policy: "CausalLM", heads: "MTPHeads | None", policy_version: int, head_version: int) -> Engine:
+    from rollout.torch_engine import TorchEngine
+
+    return TorchEngine(policy, heads, policy_version=policy_version, head_version=head_version)
+
+
+def _vllm_engine(policy: "CausalLM", heads: "MTPHeads | None", policy_version: int, head_version: int) -> Engine:
+    # lazy: vllm is an optional extra and slow to import
+    module = importlib.import_module("rollout.vllm_engine")
+    return module.VLLMEngine(policy, heads, policy_version=policy_version, head_version=head_version)
+
+
+# engine name -> factory(policy, heads, policy_version, head_version)
+ENGINES: dict[str, Callable[..., Engine]] = {"torch": _torch_engine, "vllm": _vllm_engine}
+
+
+class WorkerPaused(RuntimeError):
+    """generate() on a paused worker."""
+
+
+class RolloutWorker:
+    """generate / update_policy / update_heads / stats / pause / resume around one engine.
+
+    Plain class; rollout.accelerator wraps it with ray.remote and the config's resources.
+    """
+
+    def __init__(self, worker_id: int, config: "WorkerConfig", policy_config: ModelConfig,
+                 policy_weights: FlatWeights, policy_version: int, head_weights: FlatWeights | None,
+                 num_depths: int, head_version: int, *, dtype: str = "float32", num_threads: int | None = None):
+        if config.engine not in ENGINES:
+            raise ValueError(f"unknown engine {config.engine!r}; choose from {sorted(ENGINES)}")
+        if num_threads is not None:
+            torch.set_num_threads(num_threads)   # DESIGN.md: threads = the actor's CPU share
+        device = "cuda" if config.num_gpus_per_worker > 0 else "cpu"
+        self.worker_id = worker_id
+        policy = policy_from_flat(policy_config, policy_weights, dtype, device)
+        heads = None if head_weights is None else heads_from_flat(policy_config, num_depths, head_weights, dtype,
+                                                                   device)
+        self.engine = ENGINES[config.engine](policy, heads, policy_version, head_version)
+        self.engine_name = config.engine
+        self.paused = False
+        self.num_generate = 0
+        self.num_tokens = 0
+        self.busy_s = 0.0
+
+    def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> RolloutBatch:
+        if self.paused:
+            raise WorkerPaused(f"rollout worker {self.worker_id} is paused; call resume() before generate()")
+        t0 = time.perf_counter()
+        batch = self.engine.generate(prompts, sampling)
+        self.busy_s += time.perf_counter() - t0
+        self.num_generate += 1
+        self.num_tokens += batch.num_tokens
+        return batch
+
+    def update_policy(self, weights: FlatWeights, version: int) -> int:
+        self.engine.update_policy(unpack(weights), version)
+        return version
+
+    def update_heads(self, weights: FlatWeights, version: int) -> int:
+        self.engine.update_heads(unpack(weights), version)
+        return version
+
+    def pause(self) -> None:
+        """Refuse generate() until resume() (e.g. while a colocated trainer uses the device)."""
+        self.paused = True
+
+    def resume(self) -> None:
+        self.paused = False
+
+    def stats(self) -> dict:
+        return {"worker_id": self.worker_id, "pid": os.getpid(), "engine": self.engine_name,
+                "policy_version": self.engine.policy_version, "head_version": self.engine.head_version,
+                "paused": self.paused, "num_generate": self.num_generate, "num_tokens": self.num_tokens,
+                "busy_s": self.busy_s, "num_threads": torch.get_num_threads()}

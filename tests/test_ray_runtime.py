@@ -1,0 +1,245 @@
+"""Ray runtime: flat weight shipping, refresh policies, the co-trainer, and the facade on a local
+Ray with tiny random models (versions, entropy-triggered refresh, faults, lossless heads)."""
+import math
+import os
+import threading
+import time
+
+import numpy as np
+import pytest
+import ray
+import torch
+
+from mtp_heads.heads import init_heads
+from rollout.accelerator import AcceleratorConfig, CoTrainerConfig, RolloutAccelerator, WorkerConfig
+from rollout.models.decoder import random_model
+from rollout.monitor import AcceptanceMonitor, MonitorConfig
+from rollout.torch_engine import TorchEngine
+from rollout.types import SamplingParams
+from rollout.weights import pack, unpack
+from tests.conftest import random_heads, tiny_config
+from trainers.cotrainer import HeadCoTrainer
+from trainers.refresh import StepObservation, build_refresh_policy
+
+PROMPTS = [[2 + i, 3, 4 + i, 5] for i in range(4)]
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """The driver shares 2 cores with the actors; 2 OpenMP threads on a busy machine made tiny
+    matmuls ~30x slower (barrier waits), so this module computes with 1 thread."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def models():
+    policy = random_model(tiny_config(), seed=0)
+    return policy, init_heads(policy, num_depths=2, seed=0)
+
+
+def make_cfg(tmp_path, workers=None, **cotrainer) -> AcceleratorConfig:
+    ct = dict(steps_per_refresh=3, batch_tokens=128, replay_capacity=16, lr=3e-3,
+              checkpoint_dir=str(tmp_path / "ckpt"))
+    ct.update(cotrainer)
+    return AcceleratorConfig(
+        workers=workers or WorkerConfig(num_workers=1, num_cpus_per_worker=1),
+        cotrainer=CoTrainerConfig(**ct),
+        monitor=MonitorConfig(out_dir=str(tmp_path / "monitor"), n_boot=20, tensorboard=False, plot_every=0,
+                              plots=False),
+        num_depths=2)
+
+
+def events(accel, kind):
+    return [r for r in AcceptanceMonitor.load_records(accel.cfg.monitor.out_dir) if r.get("event") == kind]
+
+
+def sp(temperature, seed=0, k=2, n=12):
+    return SamplingParams(max_new_tokens=n, temperature=temperature, num_draft_tokens=k, seed=seed)
+
+
+# ------------------------------------------------------------------------- no Ray needed
+
+def test_flat_weights_roundtrip_one_buffer_any_dtype():
+    named = {"a": torch.randn(3, 5), "b": torch.randn(7).to(torch.bfloat16), "c": torch.arange(4),
+             "s": torch.tensor(2.5), "e": torch.zeros(0, 3)}
+    flat = pack(named)
+    assert flat.buffer.dtype == np.uint8 and flat.buffer.ndim == 1
+    assert all(e.offset % 64 == 0 for e in flat.index)
+    back = unpack(flat)
+    for k, t in named.items():
+        assert back[k].dtype == t.dtype and back[k].shape == t.shape and torch.equal(back[k], t)
+    assert back["a"].data_ptr() == torch.from_numpy(flat.buffer).data_ptr()   # a view, no copy
+    with pytest.raises(ValueError, match="no tensors"):
+        pack({})
+
+
+def test_refresh_policies():
+    class Cfg:
+        refresh = ("entropy_rise", "acceptance_drop")
+        entropy_delta, acceptance_epsilon, every_n_steps = 0.3, 0.1, 2
+
+    pol = build_refresh_policy(Cfg)
+    obs = lambda s, h, a, v=0: StepObservation(s, h, a, v)  # noqa: E731
+    assert pol.decide(obs(0, 1.0, 0.8)) == (False, "")
+    assert not pol.decide(obs(1, 1.29, 0.75))[0]                      # below both thresholds
+    fire, reason = pol.decide(obs(2, 1.35, 0.78))
+    assert fire and reason.startswith("entropy_rise")
+    pol.on_refresh(obs(2, 1.35, 0.78), new_head_version=1)
+    assert not pol.decide(obs(3, 1.4, 0.2, v=0))[0]                   # old heads: drop not judged
+    assert not pol.decide(obs(4, 1.4, 0.7, v=1))[0]                   # level set with the new heads
+    fire, reason = pol.decide(obs(5, 1.4, 0.55, v=1))
+    assert fire and reason.startswith("acceptance_drop")
+    clone = build_refresh_policy(Cfg)
+    clone.load_state(pol.state())
+    assert clone.state() == pol.state()
+    Cfg.refresh = ("every_n_steps",)
+    every = build_refresh_policy(Cfg)
+    assert [every.decide(obs(s, 1, 1))[0] for s in range(3)] == [False, False, True]
+    Cfg.refresh = ("never",)
+    assert not build_refresh_policy(Cfg).decide(obs(0, 9, 0))[0]
+    Cfg.refresh = ("entropy_spike",)
+    with pytest.raises(ValueError, match="unknown refresh policies"):
+        build_refresh_policy(Cfg)
+
+
+def test_cotrainer_tv_refresh_lowers_loss_and_checkpoints(models, tmp_path):
+    policy, heads = models
+    batch = TorchEngine(policy, heads).generate(PROMPTS, sp(1.0, n=16))
+    cfg = CoTrainerConfig(refresh=("every_n_steps",), every_n_steps=1, steps_per_refresh=8, batch_tokens=128,
+                          lr=3e-3, checkpoint_dir=str(tmp_path))
+    ct = HeadCoTrainer(cfg, policy.config, pack(policy.state_dict()), 0, pack(heads.state_dict()), 2, 0)
+    ct.add_rollouts([(c.prompt, c.tokens) for c in batch.completions])
+    assert not ct.observe(StepObservation(0, 1.0, 0.5, 0)).refreshed
+    res = ct.observe(StepObservation(1, 1.0, 0.5, 0))
+    assert res.refreshed and res.head_version == 1 and res.reason.startswith("every_n_steps")
+    assert res.losses[-1] < res.losses[0]
+    again = HeadCoTrainer(cfg, policy.config, pack(policy.state_dict()), 0, pack(heads.state_dict()), 2, 0)
+    assert again.head_version == 1 and again.resumed_from is not None
+    for k, t in unpack(res.weights).items():
+        assert torch.equal(again.heads.state_dict()[k], t)
+    assert not any(p.name.endswith(".tmp") for p in tmp_path.iterdir())
+
+
+# ------------------------------------------------------------------------- local Ray
+
+@pytest.mark.ray
+def test_loop_versions_entropy_refresh_and_lossless_heads(local_ray, models, tmp_path):
+    policy, heads = models
+    accel = RolloutAccelerator.from_config(make_cfg(tmp_path, entropy_delta=0.3), policy=policy, heads=heads)
+    try:
+        heads_seen = []
+        for step, temperature in enumerate([0.6, 0.6, 0.6, 2.0, 2.0]):
+            accel.sync_policy(policy.state_dict(), version=step + 1)
+            batch = accel.generate(PROMPTS, sp(temperature, seed=step), domains=["a", "b", "a", "b"])
+            assert len(batch.completions) == len(PROMPTS)
+            assert {c.policy_version for c in batch.completions} == {step + 1}
+            assert [c.prompt for c in batch.completions] == PROMPTS and batch.completions[1].domain == "b"
+            heads_seen.append({c.head_version for c in batch.completions})
+            rec = accel.end_step(step)
+            assert rec["step"] == step and rec["policy_version_max"] == step + 1
+            assert accel.flush(timeout=120)
+            if step == 2:
+                assert events(accel, "head_refresh") == []             # flat entropy: no refresh
+        refreshes = events(accel, "head_refresh")
+        assert len(refreshes) == 1 and refreshes[0]["step"] == 3
+        assert refreshes[0]["detail"]["reason"].startswith("entropy_rise")
+        assert heads_seen == [{0}, {0}, {0}, {0}, {1}]                  # the new heads from the next call on
+        assert ray.get(accel.workers[0].stats.remote())["head_version"] == 1
+
+        # outputs never depend on the heads: greedy tokens equal with very different heads
+        before = accel.generate(PROMPTS, sp(0.0))
+        accel.publish_heads(random_heads(policy, 2, seed=5).state_dict(), version=7)
+        after = accel.generate(PROMPTS, sp(0.0))
+        assert [c.tokens for c in after.completions] == [c.tokens for c in before.completions]
+        assert {c.head_version for c in before.completions} == {1}
+        assert {c.head_version for c in after.completions} == {7}
+        assert before.spec_stats().acceptance_rate != after.spec_stats().acceptance_rate
+    finally:
+        accel.shutdown()
+
+
+@pytest.mark.ray
+def test_cotrainer_killed_rollouts_continue_and_restart_resumes(local_ray, models, tmp_path):
+    policy, heads = models
+    cfg = make_cfg(tmp_path, refresh=("every_n_steps",), every_n_steps=1)
+    accel = RolloutAccelerator.from_config(cfg, policy=policy, heads=heads)
+    try:
+        for step in range(2):
+            accel.generate(PROMPTS, sp(1.0, seed=step))
+            accel.end_step(step)
+            assert accel.flush(timeout=120)
+        assert accel.head_version == 1
+        ckpt = torch.load(tmp_path / "ckpt" / "heads_latest.pt", weights_only=True)
+        assert ckpt["head_version"] == 1
+
+        ray.kill(accel.cotrainer, no_restart=True)
+        batch = accel.generate(PROMPTS, sp(1.0, seed=2))                 # rollouts go on, last heads
+        assert len(batch.completions) == len(PROMPTS) and {c.head_version for c in batch.completions} == {1}
+        accel.end_step(2)
+        accel.flush(timeout=60)
+        assert [e["step"] for e in events(accel, "cotrainer_failed")] == [2]
+        assert len(events(accel, "cotrainer_restarted")) == 1
+
+        stats = ray.get(accel.cotrainer.stats.remote(), timeout=120)
+        assert stats["head_version"] == 1 and stats["resumed_from"].endswith("heads_latest.pt")
+        restored = unpack(ray.get(accel.cotrainer.head_weights.remote()))
+        assert all(torch.equal(restored[k], t) for k, t in ckpt["heads"].items())
+
+        accel.generate(PROMPTS, sp(1.0, seed=3))                         # the new co-trainer carries on
+        accel.end_step(3)
+        assert accel.flush(timeout=120) and accel.head_version == 2
+    finally:
+        accel.shutdown()
+
+
+def _cpu_seconds(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+@pytest.mark.ray
+def test_worker_killed_mid_generate_batch_complete(local_ray, models, tmp_path):
+    policy, heads = models
+    workers = WorkerConfig(num_workers=2, num_cpus_per_worker=0.5, max_retries=2)
+    with pytest.raises(ValueError, match="CPUs"):
+        RolloutAccelerator.from_config(make_cfg(tmp_path, WorkerConfig(num_workers=3)), policy=policy, heads=heads)
+    accel = RolloutAccelerator.from_config(make_cfg(tmp_path, workers, enabled=False), policy=policy, heads=heads)
+    try:
+        prompts = [[2 + i % 7, 3, 4, 5 + i % 5] for i in range(16)]
+        sampling = SamplingParams(max_new_tokens=160, temperature=1.0, num_draft_tokens=2, seed=11,
+                                  ignore_eos=True)
+        victim = accel.workers[0]
+        pid = ray.get(victim.stats.remote())["pid"]
+        cpu0 = _cpu_seconds(pid)
+        reference = accel.generate(prompts, sampling)
+        cpu1 = _cpu_seconds(pid)
+        busy = (cpu1 - cpu0) / 3        # kill a third of the way into the same work
+        out = {}
+        runner = threading.Thread(target=lambda: out.update(batch=accel.generate(prompts, sampling)))
+        runner.start()
+        deadline = time.time() + 120
+        while _cpu_seconds(pid) - cpu1 < busy and time.time() < deadline:
+            time.sleep(0.005)
+        ray.kill(victim, no_restart=True)
+        runner.join(timeout=300)
+        assert not runner.is_alive()
+        batch = out["batch"]
+        assert len(events(accel, "worker_restarted")) == 1
+        assert [c.prompt for c in batch.completions] == prompts
+        assert [c.tokens for c in batch.completions] == [c.tokens for c in reference.completions]
+        assert all(len(c.tokens) == 160 for c in batch.completions)
+        assert ray.get(accel.workers[0].stats.remote())["pid"] != pid    # a replacement took the slot
+        assert math.isfinite(accel.end_step(0)["acceptance_rate"])
+    finally:
+        accel.shutdown()

@@ -1,0 +1,255 @@
+"""The head co-trainer: keeps the MTP heads close to a policy that RL keeps changing.
+
+It runs beside the rollout workers (a Ray actor, created by rollout.accelerator) and never
+sits on the rollout path: rollouts are fed to it fire-and-forget, it decides per RL step
+whether to refresh (trainers.refresh), trains the heads against its own copy of the current
+policy by teacher forcing the recent rollouts, checkpoints atomically and hands the new
+heads back to the facade, which publishes them to the workers.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import random
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Callable
+
+import numpy as np
+import torch
+
+from mtp_heads.fused_tv import fused_linear_tv_e2e_loss, fused_linear_tv_loss
+from mtp_heads.losses import IGNORE_INDEX, draft_loss
+from rollout.models.config import ModelConfig
+from rollout.weights import FlatWeights, heads_from_flat, pack, policy_from_flat
+from trainers.refresh import StepObservation, build_refresh_policy
+
+if TYPE_CHECKING:
+    from rollout.accelerator import CoTrainerConfig
+
+logger = logging.getLogger(__name__)
+
+CHECKPOINT_NAME = "heads_latest.pt"
+
+
+@dataclass
+class RefreshResult:
+    """What one observe() call did; `weights` is set only when the heads changed."""
+
+    refreshed: bool
+    reason: str
+    head_version: int
+    step: int
+    losses: list[float] = field(default_factory=list)
+    train_time_s: float = 0.0
+    weights: FlatWeights | None = None
+
+
+@dataclass
+class TeacherBatch:
+    """Padded replay sequences and, per depth j, which student rows to train on."""
+
+    tokens: torch.Tensor          # [B, T] int64, right-padded with 0
+    lengths: torch.Tensor         # [B]
+    prompt_lens: torch.Tensor     # [B]
+
+
+def _valid(batch: TeacherBatch, j: int, width: int) -> torch.Tensor:
+    """[B, width] bool: depth-j student at position i predicts token i+j+1 of the completion
+    from a real input token i+j (i+j >= prompt_len-1 and i+j < length)."""
+    pos = torch.arange(width)[None] + j
+    return (pos >= batch.prompt_lens[:, None] - 1) & (pos < batch.lengths[:, None])
+
+
+# -- losses: (student per depth [B, T-j, d], policy hidden [B, T, d], batch, policy, T) -> scalar --
+
+def _tv(students, hidden, batch, policy, temperature):
+    rows_s, rows_t = [], []
+    for j, s in enumerate(students, start=1):
+        mask = _valid(batch, j, s.shape[1])
+        rows_s.append(s[mask])
+        rows_t.append(hidden[:, j:j + s.shape[1]][mask])
+    return fused_linear_tv_loss(torch.cat(rows_s), torch.cat(rows_t), policy.lm_head_weight.detach(), temperature)
+
+
+def _tv_e2e(students, hidden, batch, policy, temperature):
+    D = len(students)
+    width = students[-1].shape[1]                                                   # T - D
+    s = torch.stack([st[:, :width] for st in students], dim=2)                     # [B, T-D, D, d]
+    t = torch.stack([hidden[:, j:j + width] for j in range(1, D + 1)], dim=2)      # [B, T-D, D, d]
+    mask = _valid(batch, 1, width) & _valid(batch, D, width)
+    return fused_linear_tv_e2e_loss(s[mask], t[mask], policy.lm_head_weight.detach(), temperature)
+
+
+def _logit_loss(kind: str):
+    def loss(students, hidden, batch, policy, temperature):
+        s_logits, t_logits, labels = [], [], []
+        for j, s in enumerate(students, start=1):
+            mask = _valid(batch, j, s.shape[1])
+            s_logits.append(policy.compute_logits(s[mask]))
+            t_logits.append(policy.compute_logits(hidden[:, j:j + s.shape[1]][mask]))
+            nxt = torch.full_like(batch.tokens, IGNORE_INDEX)
+            nxt[:, :-1] = batch.tokens[:, 1:]
+            nxt[torch.arange(nxt.shape[1])[None] >= batch.lengths[:, None] - 1] = IGNORE_INDEX
+            labels.append(nxt[:, j:j + s.shape[1]][mask])                            # token i+j+1
+        return draft_loss(kind, torch.cat(s_logits), target_logits=torch.cat(t_logits),
+                          labels=torch.cat(labels), temperature=temperature)
+    return loss
+
+
+HEAD_LOSSES: dict[str, Callable] = {
+    "tv": _tv, "tv_e2e": _tv_e2e, "ce": _logit_loss("ce"), "fkl": _logit_loss("fkl"), "rkl": _logit_loss("rkl"),
+}
+
+
+class HeadCoTrainer:
+    """Replay buffer + policy copy + heads + refresh policy + atomic checkpoints.
+
+    Plain class: rollout.accelerator wraps it with ray.remote; tests may use it directly.
+    """
+
+    def __init__(self, config: "CoTrainerConfig", policy_config: ModelConfig, policy_weights: FlatWeights,
+                 policy_version: int, head_weights: FlatWeights, num_depths: int, head_version: int = 0, *,
+                 seed: int = 0, num_threads: int | None = None, device: str = "cpu"):
+        if config.loss not in HEAD_LOSSES:
+            raise ValueError(f"unknown co-trainer loss {config.loss!r}; choose from {sorted(HEAD_LOSSES)}")
+        if config.steps_per_refresh < 1 or config.batch_tokens < 1 or config.replay_capacity < 1:
+            raise ValueError("steps_per_refresh, batch_tokens and replay_capacity must all be >= 1")
+        if num_threads is not None:
+            torch.set_num_threads(num_threads)   # DESIGN.md: match the actor's CPU share
+        self.config = config
+        self.device = device
+        self.policy = policy_from_flat(policy_config, policy_weights, "float32", device)
+        self.policy_version = policy_version
+        self.heads = heads_from_flat(policy_config, num_depths, head_weights, "float32", device).train()
+        self.head_version = head_version
+        self.optimizer = torch.optim.AdamW(self.heads.parameters(), lr=config.lr, weight_decay=0.0)
+        self.refresh_policy = build_refresh_policy(config)
+        self.replay: deque[tuple[np.ndarray, int]] = deque(maxlen=config.replay_capacity)
+        self.rng = random.Random(seed)
+        self.history: list[dict] = []            # one entry per refresh: step, reason, version, loss
+        self.train_steps = 0
+        self.resumed_from: str | None = None
+        self._load_checkpoint()
+
+    # -- inputs ------------------------------------------------------------------------------
+
+    def add_rollouts(self, sequences: list[tuple[list[int], list[int]]]) -> int:
+        """(prompt, completion tokens) pairs; the oldest fall out of the bounded buffer."""
+        for prompt, tokens in sequences:
+            if tokens:
+                self.replay.append((np.asarray(list(prompt) + list(tokens), dtype=np.int64), len(prompt)))
+        return len(self.replay)
+
+    def update_policy(self, weights: FlatWeights, version: int) -> None:
+        from rollout.weights import unpack
+
+        sd = unpack(weights)
+        if self.policy.config.tie_word_embeddings:
+            sd.pop("lm_head.weight", None)
+        self.policy.load_state_dict(sd, strict=False)
+        self.policy_version = version
+
+    # -- decisions -----------------------------------------------------------------------------
+
+    def observe(self, obs: StepObservation) -> RefreshResult:
+        """Decide on a refresh for this step; if so train, checkpoint and return the new heads."""
+        fire, reason = self.refresh_policy.decide(obs)
+        if not fire:
+            return RefreshResult(False, "", self.head_version, obs.step)
+        if not self.replay:
+            logger.warning("co-trainer step %d: refresh wanted (%s) but the replay buffer is empty", obs.step, reason)
+            return RefreshResult(False, f"skipped, empty replay buffer: {reason}", self.head_version, obs.step)
+        t0 = time.perf_counter()
+        losses = self.train(self.config.steps_per_refresh)
+        self.head_version += 1
+        self.refresh_policy.on_refresh(obs, self.head_version)
+        entry = {"step": obs.step, "reason": reason, "head_version": self.head_version,
+                 "policy_version": self.policy_version, "loss_first": losses[0], "loss_last": losses[-1]}
+        self.history.append(entry)
+        logger.info("co-trainer refresh -> head version %d at step %d: %s (loss %.4f -> %.4f)",
+                    self.head_version, obs.step, reason, losses[0], losses[-1])
+        self._save_checkpoint()
+        return RefreshResult(True, reason, self.head_version, obs.step, losses, time.perf_counter() - t0,
+                             self.head_weights())
+
+    # -- training ------------------------------------------------------------------------------
+
+    def train(self, num_steps: int) -> list[float]:
+        """num_steps optimiser steps on batches drawn from the replay buffer; losses per step."""
+        if not self.replay:
+            raise ValueError("the replay buffer is empty: add_rollouts() before train()")
+        losses = []
+        for _ in range(num_steps):
+            batch = self._sample_batch()
+            with torch.no_grad():
+                hidden = self.policy.hidden_states(batch.tokens)                  # [B, T, d]
+            students = self.heads.teacher_forced(self.policy, hidden, batch.tokens)
+            loss = HEAD_LOSSES[self.config.loss](students, hidden, batch, self.policy, self.config.temperature)
+            self.optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            self.optimizer.step()
+            self.train_steps += 1
+            losses.append(loss.item())
+        return losses
+
+    def _sample_batch(self) -> TeacherBatch:
+        """Random replay sequences until batch_tokens is reached (at least one)."""
+        picked, total = [], 0
+        order = list(range(len(self.replay)))
+        self.rng.shuffle(order)
+        for i in order:
+            picked.append(self.replay[i])
+            total += len(picked[-1][0])
+            if total >= self.config.batch_tokens:
+                break
+        T = max(len(seq) for seq, _ in picked)
+        tokens = torch.zeros(len(picked), T, dtype=torch.long)
+        for b, (seq, _) in enumerate(picked):
+            tokens[b, :len(seq)] = torch.from_numpy(seq)
+        return TeacherBatch(tokens.to(self.device), torch.tensor([len(s) for s, _ in picked]),
+                            torch.tensor([p for _, p in picked]))
+
+    # -- outputs ----------------------------------------------------------------------------
+
+    def head_weights(self) -> FlatWeights:
+        return pack(self.heads.state_dict())
+
+    def stats(self) -> dict:
+        return {"head_version": self.head_version, "policy_version": self.policy_version,
+                "replay_size": len(self.replay), "train_steps": self.train_steps,
+                "refreshes": list(self.history), "resumed_from": self.resumed_from, "pid": os.getpid()}
+
+    # -- checkpoints ---------------------------------------------------------------------------
+
+    def _checkpoint_path(self) -> Path | None:
+        d = self.config.checkpoint_dir
+        return Path(d) / CHECKPOINT_NAME if d else None
+
+    def _save_checkpoint(self) -> None:
+        """Write to a temporary file and os.replace it: a crash leaves the old or the new one."""
+        path = self._checkpoint_path()
+        if path is None:
+            return
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        torch.save({"heads": self.heads.state_dict(), "optimizer": self.optimizer.state_dict(),
+                    "head_version": self.head_version, "refresh_state": self.refresh_policy.state(),
+                    "history": self.history, "train_steps": self.train_steps}, tmp)
+        os.replace(tmp, path)
+
+    def _load_checkpoint(self) -> None:
+        path = self._checkpoint_path()
+        if path is None or not path.exists():
+            return
+        ckpt = torch.load(path, map_location=self.device, weights_only=True)
+        self.heads.load_state_dict(ckpt["heads"])
+        self.optimizer.load_state_dict(ckpt["optimizer"])
+        self.head_version = int(ckpt["head_version"])
+        self.refresh_policy.load_state(ckpt["refresh_state"])
+        self.history = list(ckpt["history"])
+        self.train_steps = int(ckpt["train_steps"])
+        self.resumed_from = str(path)
+        logger.info("co-trainer resumed from %s at head version %d", path, self.head_version)
