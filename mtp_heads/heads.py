@@ -73,6 +73,25 @@ class MTPHeads(nn.Module):
         rope = policy.model.rotary(positions)
         return self.depths[j](prev_hidden, policy.model.embed_tokens(tokens), positions, rope, cache)
 
+    def draft_logits(self, policy: CausalLM, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [B, d] -> logits [B, V] float32.
+
+        With a draft vocabulary (buffer `draft_vocab`, set by mtp_heads.checkpoint.set_draft_vocab)
+        only those rows of the LM head are computed and every other token gets -inf, so q is zero
+        there: cheaper drafting (the LM head dominates a head's cost) and still lossless, since
+        rejection sampling only needs q to be a distribution.
+        """
+        vocab = getattr(self, "draft_vocab", None)
+        if vocab is None:
+            return policy.compute_logits(hidden)
+        weight = policy.lm_head_weight
+        key = (weight.data_ptr(), weight._version, vocab.data_ptr())
+        if getattr(self, "_sub_head_key", None) != key:  # re-slice only after a policy update
+            self._sub_head, self._sub_head_key = weight[vocab].contiguous(), key
+        logits = hidden.new_full((hidden.shape[0], weight.shape[0]), float("-inf"), dtype=torch.float32)
+        logits[:, vocab] = torch.nn.functional.linear(hidden, self._sub_head).float()
+        return logits
+
     def teacher_forced(self, policy: CausalLM, hidden: torch.Tensor, tokens: torch.Tensor) -> list[torch.Tensor]:
         """Training forward over whole sequences.
 

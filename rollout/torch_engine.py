@@ -14,6 +14,7 @@ Invariants per row b, with c[b] = committed tokens (prompt + emitted):
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -95,7 +96,9 @@ class TorchEngine:
 
     # ----------------------------------------------------------------- decoding
     @torch.inference_mode()
-    def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> RolloutBatch:
+    def generate(self, prompts: list[list[int]], sampling: SamplingParams,
+                 progress: Callable[[int, int, int], None] | None = None) -> RolloutBatch:
+        """`progress(new_tokens, accepted_drafts, proposed_drafts)` is called after every round."""
         self._validate(prompts, sampling)
         t0 = time.perf_counter()
         gen = torch.Generator(device=self._device)
@@ -103,7 +106,11 @@ class TorchEngine:
         state, caches = self._prefill(prompts, sampling, gen)
         rounds_accepted, rounds_entropy, rounds_active = [], [], []
         while not bool(state.finished.all()):
+            before = int(state.committed.sum())
             num_accepted, draft_entropy, active = self._round(state, caches, sampling, gen)
+            if progress is not None:
+                progress(int(state.committed.sum()) - before, int(num_accepted[active].sum()),
+                         sampling.num_draft_tokens * int(active.sum()))
             if sampling.num_draft_tokens > 0:
                 rounds_accepted.append(num_accepted)
                 rounds_entropy.append(draft_entropy)
@@ -219,7 +226,7 @@ class TorchEngine:
 
     def _draft_token(self, head_hidden: torch.Tensor, sp: SamplingParams, gen):
         # head_hidden [B, d] -> token [B], q [B, V] (q processed like p: temperature, top-k, top-p)
-        q = process_logits(self.policy.compute_logits(head_hidden), sp.temperature, sp.top_k, sp.top_p)
+        q = process_logits(self.heads.draft_logits(self.policy, head_hidden), sp.temperature, sp.top_k, sp.top_p)
         token = q.argmax(-1) if sp.draft_mode == "greedy" else sample(q, gen)
         return token, q
 

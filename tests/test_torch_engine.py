@@ -163,3 +163,18 @@ def test_heads_for_another_policy_are_rejected(tiny_policy):
         TorchEngine(tiny_policy, MTPHeads(tiny_config(vocab_size=100), 1))
     with pytest.raises(ValueError, match="needs MTP heads"):
         TorchEngine(tiny_policy).generate([[1, 2]], SamplingParams(num_draft_tokens=2))
+
+
+def test_reduced_draft_vocabulary_is_lossless_and_drafts_inside_it(tiny_policy, tiny_heads):
+    from mtp_heads.checkpoint import set_draft_vocab
+    vocab = torch.arange(0, 64, 2)                      # even token ids only
+    set_draft_vocab(tiny_heads, vocab)
+    engine = TorchEngine(tiny_policy, tiny_heads)
+    plain = engine.generate(PROMPTS, SamplingParams(max_new_tokens=20, temperature=0, ignore_eos=True))
+    spec = engine.generate(PROMPTS, SamplingParams(max_new_tokens=20, temperature=0, ignore_eos=True,
+                                                   num_draft_tokens=3))
+    assert [c.tokens for c in plain.completions] == [c.tokens for c in spec.completions]
+    logits = tiny_heads.draft_logits(tiny_policy, torch.randn(5, 32))
+    assert torch.isinf(logits[:, 1::2]).all() and torch.isfinite(logits[:, ::2]).all()
+    full = tiny_policy.compute_logits(torch.ones(1, 32))
+    assert torch.allclose(tiny_heads.draft_logits(tiny_policy, torch.ones(1, 32))[:, ::2], full[:, ::2])
