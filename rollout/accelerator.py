@@ -67,7 +67,7 @@ class AcceleratorConfig:
     cotrainer: CoTrainerConfig
     monitor: MonitorConfig
     model: str = "smollm2-135m"         # rollout.models.loaders.load_model spec
-    heads_path: str | None = None       # .safetensors / .pt heads state dict or co-trainer checkpoint
+    heads_path: str | None = None       # mtp_heads.checkpoint file (also <checkpoint_dir>/heads_latest.safetensors)
     num_depths: int = 1
     dtype: str = "float32"              # rollout workers' weights
     ray_address: str | None = None      # None: start (or join) a local Ray
@@ -110,23 +110,14 @@ def _threads(num_cpus: float) -> int:
     return max(1, int(math.floor(num_cpus)))
 
 
-def load_heads(path: str, policy: CausalLM, num_depths: int) -> MTPHeads:
-    """Heads from a .safetensors / torch state dict, or a co-trainer checkpoint ({"heads": ...})."""
-    p = Path(path).expanduser()
-    if not p.is_file():
-        raise ValueError(f"heads_path {path!r} is not a file; train heads first or set heads_path=null")
-    if p.suffix == ".safetensors":
-        from safetensors.torch import load_file
-        sd = load_file(str(p))
-    else:
-        sd = torch.load(p, map_location="cpu", weights_only=True)
-        sd = sd.get("heads", sd)
-    depths = 1 + max(int(k.split(".")[1]) for k in sd if k.startswith("depths."))
-    if depths != num_depths:
-        raise ValueError(f"{path} holds {depths} MTP depths but num_depths={num_depths}; set num_depths={depths}")
-    heads = MTPHeads(policy.config, depths)
-    heads.load_state_dict(sd)
-    heads.check_compatible(policy)
+def load_heads_for(path: str, policy: CausalLM, num_depths: int) -> MTPHeads:
+    """Heads written by mtp_heads.checkpoint.save_heads (pre-training or a co-trainer checkpoint)."""
+    from mtp_heads.checkpoint import load_heads
+
+    heads, meta = load_heads(path, policy)
+    if meta.num_depths != num_depths:
+        raise ValueError(f"{path} holds {meta.num_depths} MTP depths but num_depths={num_depths}; "
+                         f"set num_depths={meta.num_depths}")
     return heads
 
 
@@ -191,7 +182,7 @@ class RolloutAccelerator:
             loaded = load_model(cfg.model)
             policy = build_model(loaded.config, loaded.state_dict, torch_dtype(cfg.dtype))
         if heads is None:
-            heads = (load_heads(cfg.heads_path, policy, cfg.num_depths) if cfg.heads_path
+            heads = (load_heads_for(cfg.heads_path, policy, cfg.num_depths) if cfg.heads_path
                      else init_heads(policy, cfg.num_depths, seed=cfg.seed))
         heads.check_compatible(policy)
         return cls(cfg, policy, heads, owns_ray=owns_ray)

@@ -10,6 +10,7 @@ import pytest
 import ray
 import torch
 
+from mtp_heads.checkpoint import load_heads
 from mtp_heads.heads import init_heads
 from rollout.accelerator import AcceleratorConfig, CoTrainerConfig, RolloutAccelerator, WorkerConfig
 from rollout.models.decoder import random_model
@@ -128,6 +129,8 @@ def test_cotrainer_tv_refresh_lowers_loss_and_checkpoints(models, tmp_path):
     for k, t in unpack(res.weights).items():
         assert torch.equal(again.heads.state_dict()[k], t)
     assert not any(p.name.endswith(".tmp") for p in tmp_path.iterdir())
+    _, meta = load_heads(tmp_path / "heads_latest.safetensors", policy)   # usable as heads_path
+    assert meta.head_version == 1 and meta.loss == "tv"
 
 
 # ------------------------------------------------------------------------- local Ray
@@ -179,8 +182,8 @@ def test_cotrainer_killed_rollouts_continue_and_restart_resumes(local_ray, model
             accel.end_step(step)
             assert accel.flush(timeout=120)
         assert accel.head_version == 1
-        ckpt = torch.load(tmp_path / "ckpt" / "heads_latest.pt", weights_only=True)
-        assert ckpt["head_version"] == 1
+        ckpt_heads, meta = load_heads(tmp_path / "ckpt" / "heads_latest.safetensors", policy)
+        assert meta.head_version == 1
 
         ray.kill(accel.cotrainer, no_restart=True)
         batch = accel.generate(PROMPTS, sp(1.0, seed=2))                 # rollouts go on, last heads
@@ -191,9 +194,9 @@ def test_cotrainer_killed_rollouts_continue_and_restart_resumes(local_ray, model
         assert len(events(accel, "cotrainer_restarted")) == 1
 
         stats = ray.get(accel.cotrainer.stats.remote(), timeout=120)
-        assert stats["head_version"] == 1 and stats["resumed_from"].endswith("heads_latest.pt")
+        assert stats["head_version"] == 1 and stats["resumed_from"].endswith("heads_latest.safetensors")
         restored = unpack(ray.get(accel.cotrainer.head_weights.remote()))
-        assert all(torch.equal(restored[k], t) for k, t in ckpt["heads"].items())
+        assert all(torch.equal(restored[k], t) for k, t in ckpt_heads.state_dict().items())
 
         accel.generate(PROMPTS, sp(1.0, seed=3))                         # the new co-trainer carries on
         accel.end_step(3)

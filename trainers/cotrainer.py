@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Callable
 import numpy as np
 import torch
 
+from mtp_heads.checkpoint import HeadMeta, load_heads, save_heads
 from mtp_heads.fused_tv import fused_linear_tv_e2e_loss, fused_linear_tv_loss
 from mtp_heads.losses import IGNORE_INDEX, draft_loss
 from rollout.models.config import ModelConfig
@@ -31,7 +32,8 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-CHECKPOINT_NAME = "heads_latest.pt"
+HEADS_NAME = "heads_latest.safetensors"   # mtp_heads.checkpoint format: usable as heads_path
+STATE_NAME = "cotrainer_state.pt"          # optimizer, refresh-policy state, history
 
 
 @dataclass
@@ -224,32 +226,41 @@ class HeadCoTrainer:
 
     # -- checkpoints ---------------------------------------------------------------------------
 
-    def _checkpoint_path(self) -> Path | None:
-        d = self.config.checkpoint_dir
-        return Path(d) / CHECKPOINT_NAME if d else None
-
     def _save_checkpoint(self) -> None:
-        """Write to a temporary file and os.replace it: a crash leaves the old or the new one."""
-        path = self._checkpoint_path()
-        if path is None:
+        """Heads via mtp_heads.checkpoint (atomic, with a header), then the trainer state, each
+        written to a temporary file and os.replace'd; a crash leaves a consistent older pair."""
+        d = self.config.checkpoint_dir
+        if not d:
             return
+        path = Path(d) / STATE_NAME
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        torch.save({"heads": self.heads.state_dict(), "optimizer": self.optimizer.state_dict(),
-                    "head_version": self.head_version, "refresh_state": self.refresh_policy.state(),
-                    "history": self.history, "train_steps": self.train_steps}, tmp)
+        torch.save({"optimizer": self.optimizer.state_dict(), "head_version": self.head_version,
+                    "refresh_state": self.refresh_policy.state(), "history": self.history,
+                    "train_steps": self.train_steps}, tmp)
+        save_heads(Path(d) / HEADS_NAME, self.heads, HeadMeta.for_heads(
+            self.heads, loss=self.config.loss, steps=self.train_steps, head_version=self.head_version,
+            notes="head co-trainer refresh"))
         os.replace(tmp, path)
 
     def _load_checkpoint(self) -> None:
-        path = self._checkpoint_path()
-        if path is None or not path.exists():
+        d = self.config.checkpoint_dir
+        if not d or not (Path(d) / HEADS_NAME).exists():
             return
-        ckpt = torch.load(path, map_location=self.device, weights_only=True)
-        self.heads.load_state_dict(ckpt["heads"])
-        self.optimizer.load_state_dict(ckpt["optimizer"])
-        self.head_version = int(ckpt["head_version"])
-        self.refresh_policy.load_state(ckpt["refresh_state"])
-        self.history = list(ckpt["history"])
-        self.train_steps = int(ckpt["train_steps"])
-        self.resumed_from = str(path)
-        logger.info("co-trainer resumed from %s at head version %d", path, self.head_version)
+        heads_path, state_path = Path(d) / HEADS_NAME, Path(d) / STATE_NAME
+        heads, meta = load_heads(heads_path, self.policy)
+        if meta.num_depths != self.heads.num_depths:
+            raise ValueError(f"{heads_path} has {meta.num_depths} depths, this run uses {self.heads.num_depths}; "
+                             "set num_depths to match or point checkpoint_dir elsewhere")
+        self.heads.load_state_dict(heads.state_dict())
+        self.head_version = meta.head_version
+        state = torch.load(state_path, map_location=self.device, weights_only=True) if state_path.exists() else None
+        if state is not None and state["head_version"] == meta.head_version:
+            self.optimizer.load_state_dict(state["optimizer"])
+            self.refresh_policy.load_state(state["refresh_state"])
+            self.history = list(state["history"])
+            self.train_steps = int(state["train_steps"])
+        else:
+            logger.warning("%s missing or from another head version: resuming the heads only", state_path)
+        self.resumed_from = str(heads_path)
+        logger.info("co-trainer resumed from %s at head version %d", heads_path, self.head_version)
