@@ -173,3 +173,74 @@ def test_prefetcher_runs_the_next_generation_while_the_caller_trains():
     assert pre.result().completions[0].tokens == [1]
     pre.close()
     assert log == [("gen-start", 0), ("gen-start", 1), ("train", 0)]
+
+
+# ------------------------------------------------------------------------------ config
+
+from pathlib import Path  # noqa: E402
+
+from omegaconf import OmegaConf  # noqa: E402
+
+from trainers.config import RunConfig, config_keys, load_config, write_resolved  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_config_overrides_interpolation_and_resolved_roundtrip(tmp_path):
+    run_dir = tmp_path / "run"
+    cfg, resolved = load_config([str(ROOT / "configs/smoke.yaml"), f"out_dir={run_dir}", "grpo.lr=0.5",
+                                 "sampling.temperature.end=2.0", "tasks.domains=[reverse]"])
+    assert isinstance(cfg, RunConfig) and cfg.grpo.lr == 0.5 and cfg.tasks.domains == ("reverse",)
+    assert cfg.sampling.temperature.end == 2.0 and cfg.sampling.temperature.start == 0.8   # YAML kept
+    assert cfg.accelerator.model == "tiny-random"                                          # from the YAML
+    assert cfg.accelerator.monitor.out_dir == str(run_dir)                                 # follows out_dir
+    path = write_resolved(resolved, run_dir)
+    assert "${" not in path.read_text()
+    again, _ = load_config([str(path)])
+    assert again == cfg
+
+
+def test_now_gives_a_timestamped_run_dir():
+    cfg, _ = load_config([])
+    assert cfg.out_dir.startswith("runs/async_rl/") and "${" not in cfg.out_dir
+    assert cfg.accelerator.cotrainer.checkpoint_dir == cfg.out_dir + "/cotrainer"
+
+
+@pytest.mark.parametrize("args,key", [
+    (["grpo.lrr=1"], "grpo.lrr"), (["accelerator.workers.num_worker=2"], "accelerator.workers.num_worker"),
+    (["steps=abc"], "steps"), (["bogus=1"], "bogus"),
+])
+def test_bad_config_keys_name_the_key(args, key):
+    with pytest.raises(ValueError, match=f"'{key}'"):
+        load_config(args)
+
+
+def test_bad_key_in_yaml_names_file_and_key(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("grpo:\n  group_sise: 4\n")
+    with pytest.raises(ValueError, match=r"bad.yaml.*'grpo.group_sise'"):
+        load_config([str(bad)])
+    with pytest.raises(ValueError, match="neither a YAML file"):
+        load_config([str(tmp_path / "missing.yaml")])
+
+
+def test_bad_values_are_rejected_by_the_dataclasses():
+    with pytest.raises(ValueError, match="algebra"):
+        load_config(["tasks.domains=[algebra]"])
+    with pytest.raises(ValueError, match="group_size"):
+        load_config(["grpo.group_size=1"])
+    with pytest.raises(ValueError, match="draft_mode"):
+        load_config(["sampling.draft_mode=beam"])
+
+
+def test_configs_readme_lists_every_key_with_its_default():
+    text = (ROOT / "configs/README.md").read_text()
+    for key, default in config_keys():
+        assert f"| `{key}` | `{default}` |" in text, f"configs/README.md lacks {key} (default {default})"
+
+
+@pytest.mark.parametrize("name", ["async_rl.yaml", "smoke.yaml"])
+def test_shipped_configs_load(name):
+    cfg, resolved = load_config([str(ROOT / "configs" / name)])
+    assert OmegaConf.to_yaml(resolved, resolve=True)
+    assert cfg.grpo.group_size >= 2 and len(cfg.tasks.domains) >= 2
