@@ -34,17 +34,17 @@ from trainers.tasks import Task, TaskSampler, score
 logger = logging.getLogger(__name__)
 
 
-def _pretrained_heads(policy: Policy, cfg: RunConfig) -> MTPHeads | None:
-    """The cached result of `mtp-rollout train-heads` for this model (trained first if missing)."""
-    from mtp_heads.checkpoint import default_heads_path, load_heads
+def _pretrained_heads(policy: Policy, cfg: RunConfig) -> MTPHeads:
+    """The cached result of `mtp-rollout train-heads` for this model; trained (and cached) first if missing."""
+    from mtp_heads.pretrain import PretrainPlan, TrainConfig, load_or_train_default_heads
 
     acc = cfg.accelerator
-    path = default_heads_path(acc.model, acc.num_depths, acc.cotrainer.loss)
-    if not path.is_file():
-        raise ValueError(f"no pre-trained heads at {path}; run `mtp-rollout train-heads` for {acc.model!r} "
-                         f"(num_depths={acc.num_depths}, loss={acc.cotrainer.loss}), or set heads=init")
-    heads, meta = load_heads(path, policy.model)
-    logger.info("heads: %s (%s loss, %d steps)", path, meta.loss, meta.steps)
+    if policy.loaded is None:
+        raise ValueError(f"heads=pretrained needs a real model with a tokenizer, not {acc.model!r}; use heads=init")
+    plan = PretrainPlan(model=acc.model, train=TrainConfig(num_depths=acc.num_depths, loss=acc.cotrainer.loss))
+    heads, meta = load_or_train_default_heads(policy.model, policy.loaded, model_spec=acc.model, plan=plan,
+                                              progress=cfg.progress)
+    logger.info("pre-trained heads: %d depths, %s loss, %d steps", meta.num_depths, meta.loss, meta.steps)
     return heads
 
 

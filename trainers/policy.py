@@ -16,7 +16,7 @@ import torch
 
 from rollout.models.config import ModelConfig
 from rollout.models.decoder import CausalLM, build_model, random_model
-from rollout.models.loaders import load_model
+from rollout.models.loaders import LoadedModel, load_model
 from trainers.codec import ByteCodec, ChatCodec, TextCodec
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -34,6 +34,7 @@ class Policy:
     model: CausalLM
     codec: TextCodec
     source: str
+    loaded: LoadedModel | None = None   # tokenizer and chat template of a real model (head pre-training needs it)
 
 
 def _tiny_random(dtype: torch.dtype, seed: int) -> Policy:
@@ -56,7 +57,8 @@ def load_policy(spec: str, dtype: str = "float32", seed: int = 0) -> Policy:
     if spec in BUILTIN_POLICIES:
         return BUILTIN_POLICIES[spec](dtype_of(dtype), seed)
     loaded = load_model(spec)
-    return Policy(build_model(loaded.config, loaded.state_dict, dtype_of(dtype)), ChatCodec(loaded), loaded.source)
+    return Policy(build_model(loaded.config, loaded.state_dict, dtype_of(dtype)), ChatCodec(loaded), loaded.source,
+                  loaded)
 
 
 def trainable_copy(model: CausalLM, train_last_layers: int, train_final_norm: bool = True,
