@@ -1,0 +1,144 @@
+"""Head pre-training on a tiny random policy: data, frozen policy, resume, improvement, draft vocabulary."""
+import numpy as np
+import pytest
+import torch
+
+from mtp_heads.checkpoint import draft_vocab_of, load_heads, read_meta, set_draft_vocab
+from mtp_heads.heads import init_heads
+from mtp_heads.pretrain import (OBJECTIVES, DataConfig, DraftVocabEngine, TokenData, TrainConfig,
+                                draft_vocab_from_counts, engine_acceptance, generate_token_data,
+                                teacher_forced_acceptance, train_heads)
+from rollout.torch_engine import TorchEngine
+from rollout.types import SamplingParams
+
+DATA = DataConfig(max_new_tokens=20, gen_batch_size=16)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny models: one thread avoids OpenMP barrier stalls when the 2 cores are shared."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def _prompts(n, seed):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(2, 64, (int(torch.randint(3, 9, (1,), generator=g)),), generator=g).tolist()
+            for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def policy():
+    from rollout.models.decoder import random_model
+    from tests.conftest import tiny_config
+    return random_model(tiny_config(), seed=0)
+
+
+@pytest.fixture(scope="module")
+def data(policy):
+    return generate_token_data(policy, _prompts(16, 0), DATA, seed=0, progress=False)
+
+
+@pytest.fixture(scope="module")
+def held_out(policy):
+    return generate_token_data(policy, _prompts(8, 1), DATA, seed=1, progress=False)
+
+
+def test_generated_states_equal_teacher_forcing(policy, data, tmp_path):
+    assert len(data) == 16 and data.num_completion_tokens() > 24
+    for i in (0, 5, 15):
+        tokens, hidden, P = data.sequence(i)
+        ref = policy.hidden_states(torch.tensor(tokens[None], dtype=torch.long))[0]
+        torch.testing.assert_close(torch.from_numpy(hidden[:-1]), ref[:-1], atol=1e-4, rtol=1e-4)
+        assert 3 <= P < len(tokens)
+    data.save(tmp_path / "d.npz")
+    again = TokenData.load(tmp_path / "d.npz")
+    assert np.array_equal(again.tokens, data.tokens) and np.array_equal(again.hidden, data.hidden)
+
+
+def test_only_heads_get_gradients_and_policy_is_unchanged(policy, data):
+    before = {k: v.clone() for k, v in policy.state_dict().items()}
+    res = train_heads(policy, data, TrainConfig(num_depths=2, steps=2, seqs_per_step=4, warmup_steps=1),
+                      progress=False)
+    assert all(p.grad is None and not p.requires_grad for p in policy.parameters())
+    after = policy.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    init = init_heads(policy, 2, seed=0)
+    assert any(not torch.equal(a, b) for a, b in zip(init.parameters(), res.heads.parameters()))
+
+
+@pytest.mark.parametrize("loss", sorted(OBJECTIVES))
+def test_every_objective_trains(policy, data, loss):
+    res = train_heads(policy, data, TrainConfig(num_depths=2, loss=loss, steps=2, seqs_per_step=4, warmup_steps=1),
+                      progress=False)
+    assert len(res.losses) == 2 and all(np.isfinite(res.losses))
+
+
+def test_resume_equals_uninterrupted(policy, data, tmp_path):
+    cfg = TrainConfig(num_depths=2, steps=6, seqs_per_step=4, warmup_steps=2, checkpoint_every=3)
+    full = train_heads(policy, data, cfg, checkpoint=tmp_path / "a.safetensors", progress=False)
+    cut = train_heads(policy, data, cfg, checkpoint=tmp_path / "b.safetensors", progress=False, stop_after=3)
+    assert cut.steps == 3 and read_meta(tmp_path / "b.safetensors").steps == 3
+    resumed = train_heads(policy, data, cfg, checkpoint=tmp_path / "b.safetensors", resume=True, progress=False)
+    assert resumed.losses == full.losses[3:]
+    a, b = full.heads.state_dict(), resumed.heads.state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    heads, meta = load_heads(tmp_path / "b.safetensors", policy)
+    assert meta.steps == 6 and meta.loss == "tv"
+    with pytest.raises(ValueError, match="config differs"):
+        train_heads(policy, data, TrainConfig(num_depths=2, steps=9, seqs_per_step=4), progress=False,
+                    checkpoint=tmp_path / "b.safetensors", resume=True)
+
+
+def test_short_pretraining_raises_teacher_forced_acceptance(policy, data, held_out):
+    init = init_heads(policy, 2, seed=0)
+    before = teacher_forced_acceptance(policy, init, held_out)
+    res = train_heads(policy, data, TrainConfig(num_depths=2, steps=25, seqs_per_step=8, lr=3e-3, warmup_steps=2),
+                      progress=False)
+    after = teacher_forced_acceptance(policy, res.heads, held_out)
+    for b, a in zip(before, after):
+        assert a["rows"] == b["rows"] > 0
+        assert a["rejection"] > b["rejection"] + 0.02, (before, after)
+        assert 0.0 <= a["greedy"] <= 1.0
+
+
+def test_draft_vocab_is_frequency_based_and_drafts_stay_inside(policy, data):
+    vocab = draft_vocab_from_counts(data, 16, 64, always=(1,))
+    counts = np.bincount(data.completion_tokens(), minlength=64)
+    assert 1 in vocab.tolist() and len(vocab) <= 17
+    top_outside = max((counts[t] for t in range(64) if t not in set(vocab.tolist())), default=0)
+    assert all(counts[t] >= top_outside for t in vocab.tolist() if t != 1)
+    res = train_heads(policy, data, TrainConfig(num_depths=2, steps=3, seqs_per_step=4, warmup_steps=1),
+                      draft_vocab=vocab, progress=False)
+    assert draft_vocab_of(res.heads).tolist() == vocab.tolist()
+    tf = teacher_forced_acceptance(policy, res.heads, data)
+    assert all(0 < d["rejection"] < 1 for d in tf)
+    eng = DraftVocabEngine(policy, res.heads)
+    out = eng.generate([[3, 4, 5]], SamplingParams(max_new_tokens=12, num_draft_tokens=2, seed=0))
+    assert len(out.completions[0].tokens) == 12
+    q = eng._draft_token(torch.randn(2, 32), SamplingParams(num_draft_tokens=2), None)[1]
+    outside = torch.ones(64, dtype=torch.bool)
+    outside[vocab] = False
+    assert float(q[:, outside].abs().sum()) == 0.0 and torch.allclose(q.sum(-1), torch.ones(2))
+
+
+def test_draft_vocab_engine_is_lossless_at_temperature_zero(policy):
+    heads = init_heads(policy, 2, seed=0)
+    set_draft_vocab(heads, torch.arange(0, 64, 2))
+    prompts = _prompts(3, 5)
+    sp = SamplingParams(max_new_tokens=16, temperature=0.0, ignore_eos=True)
+    plain = TorchEngine(policy).generate(prompts, sp)
+    spec = DraftVocabEngine(policy, heads).generate(prompts, SamplingParams(
+        max_new_tokens=16, temperature=0.0, num_draft_tokens=3, ignore_eos=True))
+    assert [c.tokens for c in spec.completions] == [c.tokens for c in plain.completions]
+
+
+def test_engine_acceptance_reports_both_modes(policy):
+    heads = init_heads(policy, 2, seed=0)
+    res = engine_acceptance(policy, heads, _prompts(4, 2), k=3, max_new_tokens=16, batch_size=4)
+    assert set(res) == {"greedy", "rejection"}
+    for r in res.values():
+        assert 0 <= r["acceptance_rate"] <= 1 and 1 <= r["acceptance_length"] <= 4
+        assert len(r["conditional_acceptance"]) == 3
