@@ -72,7 +72,9 @@ class TorchEngine:
         sd = {k: torch.as_tensor(v) for k, v in state_dict.items()}
         if self.policy.config.tie_word_embeddings:
             sd.pop("lm_head.weight", None)
-        self.policy.load_state_dict(sd, strict=False)
+        _, unexpected = self.policy.load_state_dict(sd, strict=False)  # partial updates are fine
+        if unexpected:
+            raise ValueError(f"policy update has tensors this model does not have: {unexpected[:5]}")
         self.policy_version = version
 
     # ----------------------------------------------------------------- checks
