@@ -37,7 +37,8 @@ def test_generated_answers_are_correct():
 
 
 @pytest.mark.parametrize("text,expected", [
-    ("42", 1.0), ("The answer is 42.", 1.0), ("17+25 = 42", 0.0), ("forty-two", 0.0), ("4,2", 1.0), ("", 0.0),
+    ("42", 1.0), ("The answer is 42.", 1.0), ("17+25 = 42", 1.0), ("17 + 25 is 42.", 1.0), ("17+25 = 43", 0.0),
+    ("117+25 = 42", 0.0), ("1. Well, 42", 0.0), ("forty-two", 0.0), ("4,2", 1.0), ("", 0.0),
 ])
 def test_arithmetic_reward(text, expected):
     assert score(Task("arithmetic", "What is 17+25? Answer with a number.", "42"), text) == expected
@@ -46,6 +47,7 @@ def test_arithmetic_reward(text, expected):
 def test_arithmetic_reward_negative_numbers():
     assert score(Task("arithmetic", "What is 3-10?", "-7"), "-7") == 1.0
     assert score(Task("arithmetic", "What is 3-10?", "-7"), "7") == 0.0
+    assert score(Task("arithmetic", "What is 3-10?", "-7"), "3 - 10 = -7") == 1.0
 
 
 @pytest.mark.parametrize("text,expected", [

@@ -72,14 +72,27 @@ OPERATIONS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b
 _INT = re.compile(r"-?\d+")
 
 
+_QUESTION = re.compile(r"What is (\d+)([-+*])(\d+)\?")
+
+
 def first_integer(text: str) -> int | None:
     """The first integer in `text` (a model's answer usually leads; later numbers are chatter)."""
     m = _INT.search(text.replace(",", ""))
     return int(m.group()) if m else None
 
 
+def without_restatement(completion: str, prompt: str) -> str:
+    """Drop restatements of the question's expression ("17 + 25 = 42" -> " = 42")."""
+    q = _QUESTION.search(prompt)
+    if q is None:
+        return completion
+    a, op, b = q.groups()
+    return re.sub(rf"(?<!\d){a}\s*{re.escape(op)}\s*{b}(?!\d)", " ", completion)
+
+
 class Arithmetic:
-    """'What is 17+25? Answer with a number.' -> reward 1 iff the first integer is 42."""
+    """'What is 17+25? Answer with a number.' -> reward 1 iff the first integer, once a restated
+    '17 + 25' is set aside, is 42."""
 
     name = "arithmetic"
 
@@ -89,7 +102,7 @@ class Arithmetic:
         return Task(self.name, f"What is {a}{op}{b}? Answer with a number.", str(OPERATIONS[op](a, b)))
 
     def reward(self, completion: str, task: Task) -> float:
-        return float(first_integer(completion) == int(task.answer))
+        return float(first_integer(without_restatement(completion, task.prompt)) == int(task.answer))
 
 
 # ------------------------------------------------------------------------------ strings
