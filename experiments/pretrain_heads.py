@@ -21,7 +21,7 @@ import torch
 
 from mtp_heads.checkpoint import _atomic_write, default_heads_path, read_meta
 from mtp_heads.pretrain import (OBJECTIVES, DataConfig, PretrainPlan, TrainConfig, chat_prompts, decode_speedup,
-                                engine_acceptance, pretrain, teacher_forced_acceptance)
+                                draft_cost, engine_acceptance, pretrain, teacher_forced_acceptance)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> dict:
     from rollout.models.decoder import build_model
     from rollout.models.loaders import load_model
     plan = plan_from_args(a)
-    out = Path(a.out) if a.out else default_heads_path(a.model, a.depths, a.loss, a.draft_vocab)
+    out = Path(a.out) if a.out else default_heads_path(a.model, a.depths, a.loss)
     t0 = time.perf_counter()
     loaded = load_model(a.model)
     policy = build_model(loaded.config, loaded.state_dict)
@@ -97,6 +97,7 @@ def main(argv: list[str] | None = None) -> dict:
                                              temperature=plan.train.temperature, max_new_tokens=a.eval_new_tokens,
                                              seed=a.seed)
     if a.speedup_prompts:
+        report["draft_cost_ms"] = draft_cost(policy, heads, k=a.eval_k)
         report["speedup"] = decode_speedup(policy, heads, prompts[:a.speedup_prompts], k=a.eval_k,
                                            temperature=plan.train.temperature, max_new_tokens=a.eval_new_tokens,
                                            seed=a.seed)
@@ -123,6 +124,11 @@ def summary(report: dict) -> str:
         s = report["speedup"]
         lines.append(f"  batch-1 decode: {s['plain_tokens_per_s']:.2f} -> {s['spec_tokens_per_s']:.2f} tok/s "
                      f"({s['speedup']:.2f}x, k={s['k']}, {s['draft_mode']})")
+    if "draft_cost_ms" in report:
+        c = report["draft_cost_ms"]
+        lines.append(f"  batch-1 ms: target 1 tok {c['target_1']:.1f}, target k+1 tok {c['target_k1']:.1f}, head block "
+                     f"{c['head_block']:.1f}, LM head full {c['lm_head_full']:.1f}, draft vocab ({c['draft_vocab_size']}) "
+                     f"{c['lm_head_draft']:.1f}")
     return "\n".join(lines)
 
 

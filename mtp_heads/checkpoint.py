@@ -186,7 +186,6 @@ def _slug(model_spec: str) -> str:
     return re.sub(r"[^A-Za-z0-9._-]+", "_", str(model_spec)).strip("_")[-80:] or "model"
 
 
-def default_heads_path(model_spec: str, num_depths: int, loss: str, draft_vocab_size: int = 0) -> Path:
-    """$MTP_ROLLOUT_CACHE/heads/<model>-D<n>-<loss>[-dv<N>].safetensors."""
-    suffix = f"-dv{draft_vocab_size}" if draft_vocab_size else ""
-    return cache_dir() / "heads" / f"{_slug(model_spec)}-D{num_depths}-{loss}{suffix}.safetensors"
+def default_heads_path(model_spec: str, num_depths: int, loss: str) -> Path:
+    """$MTP_ROLLOUT_CACHE/heads/<model>-D<n>-<loss>.safetensors (a draft vocabulary, if any, is inside)."""
+    return cache_dir() / "heads" / f"{_slug(model_spec)}-D{num_depths}-{loss}.safetensors"

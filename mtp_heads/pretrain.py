@@ -622,6 +622,48 @@ def decode_speedup(policy: CausalLM, heads: MTPHeads, prompts: list[list[int]], 
             "draft_mode": draft_mode, "max_new_tokens": max_new_tokens, "prompts": len(prompts) * repeats}
 
 
+@torch.inference_mode()
+def draft_cost(policy: CausalLM, heads: MTPHeads, *, context: int = 96, k: int = 3, repeats: int = 15) -> dict:
+    """Batch-1 wall times (ms, medians) of the pieces of one speculative round.
+
+    target_1 / target_k1: policy forward over 1 / k+1 new tokens after `context` cached ones;
+    head_block: one depth's block on 1 token; lm_head_full / lm_head_draft: logits over V / the
+    draft vocabulary. Speedup ~ tau * target_1 / (target_k1 + k * (head_block + lm_head)).
+    """
+    dev = policy.lm_head_weight.device
+    d = policy.config.hidden_size
+    ids = torch.randint(3, policy.config.vocab_size, (1, context + k + 1), device=dev)
+    cache = policy.new_cache(1, context + k + 2)
+    policy.hidden_states(ids[:, :context], cache)
+    hcache = heads.new_caches(1, context + k + 2, policy.lm_head_weight.dtype, dev)[0]
+    pos = torch.tensor([[context]], device=dev)
+    h = torch.randn(1, 1, d, device=dev, dtype=policy.lm_head_weight.dtype)
+    heads.depth_forward(0, policy, torch.randn(1, context, d, device=dev), ids[:, 1:context + 1],
+                        torch.arange(context, device=dev)[None], hcache)
+    vocab = draft_vocab_of(heads)
+    W_draft = policy.lm_head_weight if vocab is None else policy.lm_head_weight.index_select(0, vocab)
+    start = torch.tensor([context], device=dev)
+
+    def timed(fn) -> float:
+        fn()
+        ts = []
+        for _ in range(repeats):
+            t = time.perf_counter()
+            fn()
+            ts.append(time.perf_counter() - t)
+        return 1000 * float(np.median(ts))
+
+    out = {
+        "target_1": timed(lambda: policy.hidden_states(ids[:, context:context + 1], cache, start)),
+        "target_k1": timed(lambda: policy.hidden_states(ids[:, context:context + k + 1], cache, start)),
+        "head_block": timed(lambda: heads.depth_forward(0, policy, h, ids[:, context:context + 1], pos, hcache)),
+        "lm_head_full": timed(lambda: torch.softmax(policy.compute_logits(h[:, 0]), -1)),
+        "lm_head_draft": timed(lambda: torch.softmax(F.linear(h[:, 0], W_draft).float(), -1)),
+        "draft_vocab_size": int(W_draft.shape[0]), "k": k, "context": context,
+    }
+    return out
+
+
 # ----------------------------------------------------------------------------------- the default heads
 
 
@@ -667,7 +709,7 @@ def load_or_train_default_heads(policy: CausalLM, loaded, *, model_spec: str = "
     model spec, so this happens only when the model behind a spec changed).
     """
     plan = plan or PretrainPlan(model=model_spec)
-    path = default_heads_path(model_spec, plan.train.num_depths, plan.train.loss, plan.train.draft_vocab_size)
+    path = default_heads_path(model_spec, plan.train.num_depths, plan.train.loss)
     if path.is_file():
         try:
             return load_heads(path, policy)

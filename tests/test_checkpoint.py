@@ -109,4 +109,4 @@ def test_default_heads_path_uses_cache_env(tmp_path, monkeypatch):
     monkeypatch.setenv("MTP_ROLLOUT_CACHE", str(tmp_path))
     p = default_heads_path("smollm2-135m", 3, "tv")
     assert p == tmp_path / "heads" / "smollm2-135m-D3-tv.safetensors"
-    assert default_heads_path("/a b/model dir", 2, "ce", 8192).name == "a_b_model_dir-D2-ce-dv8192.safetensors"
+    assert default_heads_path("/a b/model dir", 2, "ce").name == "a_b_model_dir-D2-ce.safetensors"

@@ -142,3 +142,12 @@ def test_engine_acceptance_reports_both_modes(policy):
     for r in res.values():
         assert 0 <= r["acceptance_rate"] <= 1 and 1 <= r["acceptance_length"] <= 4
         assert len(r["conditional_acceptance"]) == 3
+
+
+def test_draft_cost_reports_positive_times(policy):
+    heads = init_heads(policy, 1, seed=0)
+    set_draft_vocab(heads, torch.arange(16))
+    from mtp_heads.pretrain import draft_cost
+    c = draft_cost(policy, heads, context=8, k=2, repeats=2)
+    assert c["draft_vocab_size"] == 16
+    assert all(c[key] > 0 for key in ("target_1", "target_k1", "head_block", "lm_head_full", "lm_head_draft"))
