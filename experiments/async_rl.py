@@ -33,6 +33,8 @@ from trainers.tasks import Task, TaskSampler, score
 
 logger = logging.getLogger(__name__)
 
+DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "async_rl.yaml"
+
 
 def _pretrained_heads(policy: Policy, cfg: RunConfig) -> MTPHeads:
     """The cached result of `mtp-rollout train-heads` for this model; trained (and cached) first if missing."""
@@ -138,9 +140,12 @@ def plot_rl(run_dir: Path) -> Path:
     import matplotlib.pyplot as plt
 
     rows = [json.loads(x) for x in (run_dir / "rl.jsonl").read_text().splitlines() if x.strip()]
-    fig, axes = plt.subplots(1, 2, figsize=(10, 3.5))
+    fig, axes = plt.subplots(1, 3, figsize=(14, 3.5))
+    for r in rows:
+        r["policy_entropy"] = {"all tokens": r["train"].get("entropy", float("nan"))}
     for ax, key, label in ((axes[0], "reward_by_domain", "reward"),
-                           (axes[1], "rollout_entropy_by_domain", "entropy of sampled dist. (nats)")):
+                           (axes[1], "rollout_entropy_by_domain", "rollout entropy, after temperature (nats)"),
+                           (axes[2], "policy_entropy", "policy entropy at T=1, trainer (nats)")):
         for d in sorted({d for r in rows for d in r[key]}):
             pts = [(r["step"], r[key][d]) for r in rows if d in r[key]]
             ax.plot(*zip(*pts), marker=".", label=d)
@@ -155,9 +160,13 @@ def plot_rl(run_dir: Path) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of `mtp-rollout run`: argv = YAML files and key=value overrides."""
+    """Entry point of `mtp-rollout run`: argv = YAML files and key=value overrides; without a
+    YAML file the main job's configs/async_rl.yaml comes first."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    cfg, resolved = load_config(sys.argv[1:] if argv is None else argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if all("=" in a for a in argv):
+        argv.insert(0, str(DEFAULT_CONFIG))
+    cfg, resolved = load_config(argv)
     run(cfg, resolved)
     return 0
 
