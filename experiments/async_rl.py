@@ -159,14 +159,16 @@ def plot_rl(run_dir: Path) -> Path:
     return path
 
 
+def with_default_config(argv: list[str]) -> list[str]:
+    """Put configs/async_rl.yaml first when argv names no YAML file (only key=value overrides)."""
+    return list(argv) if any("=" not in a for a in argv) else [str(DEFAULT_CONFIG), *argv]
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of `mtp-rollout run`: argv = YAML files and key=value overrides; without a
     YAML file the main job's configs/async_rl.yaml comes first."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if all("=" in a for a in argv):
-        argv.insert(0, str(DEFAULT_CONFIG))
-    cfg, resolved = load_config(argv)
+    cfg, resolved = load_config(with_default_config(sys.argv[1:] if argv is None else argv))
     run(cfg, resolved)
     return 0
 

@@ -244,3 +244,12 @@ def test_shipped_configs_load(name):
     cfg, resolved = load_config([str(ROOT / "configs" / name)])
     assert OmegaConf.to_yaml(resolved, resolve=True)
     assert cfg.grpo.group_size >= 2 and len(cfg.tasks.domains) >= 2
+
+
+def test_main_job_defaults_to_async_rl_yaml():
+    from experiments.async_rl import DEFAULT_CONFIG, with_default_config
+
+    assert with_default_config(["steps=3"]) == [str(DEFAULT_CONFIG), "steps=3"]
+    assert with_default_config(["configs/smoke.yaml", "steps=3"]) == ["configs/smoke.yaml", "steps=3"]
+    cfg, _ = load_config(with_default_config([]))
+    assert cfg.accelerator.model == "smollm2-135m" and cfg.heads == "pretrained"
