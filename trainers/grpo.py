@@ -179,7 +179,7 @@ class GRPOTrainer:
         totals: dict[str, float] = {}
         self.optimizer.zero_grad(set_to_none=True)
         for lo in range(0, len(comps), cfg.micro_batch):
-            part = [c for c in comps[lo:lo + cfg.micro_batch]]
+            part = comps[lo:lo + cfg.micro_batch]
             if not any(c.tokens for c in part):
                 continue
             packed = pack([c.prompt for c in part], [c.tokens for c in part], [c.logprobs for c in part],
