@@ -136,6 +136,15 @@ def quant_roundtrip(t: torch.Tensor, qtype: Q) -> torch.Tensor:
     return torch.from_numpy(np.asarray(gguf.quants.dequantize(q, qtype), dtype=np.float32).reshape(t.shape))
 
 
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny matmuls: a second OpenMP thread only adds waiting on a shared 2-core machine."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 TOKENS_IN = torch.tensor([[1, 5, 60, 200, 7, 263, 99, 2], [3, 4, 5, 6, 7, 8, 9, 10]])
 
 
@@ -179,7 +188,7 @@ def test_gguf_f32_matches_hf_dir(tmp_path, tie):
     assert gg.chat_template == SMOL_TEMPLATE and gg.source.endswith("m.gguf")
 
 
-@pytest.mark.parametrize("qtype", [Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1])
+@pytest.mark.parametrize("qtype", [Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1], ids=lambda q: q.name)
 def test_gguf_dequantises_to_what_was_quantised(tmp_path, qtype):
     cfg = tiny_config(tie=False)
     sd = random_weights(cfg, seed=1)

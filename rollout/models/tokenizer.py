@@ -58,8 +58,9 @@ def bpe_tokenizer(tokens: list[str], merges: list[str], token_types: list[int] |
                             for i, t in enumerate(types) if t == TOKEN_CONTROL])
     tok.add_tokens([AddedToken(tokens[i], special=False, normalized=False)
                     for i, t in enumerate(types) if t == TOKEN_USER_DEFINED])
-    if tok.get_vocab_size() != len(vocab):
-        warnings.warn(f"tokenizer has {tok.get_vocab_size()} ids but the GGUF vocabulary {len(tokens)}")
+    if len(vocab) != len(tokens):
+        warnings.warn(f"GGUF vocabulary repeats {len(tokens) - len(vocab)} token strings; "
+                      "their later ids are never produced by encode")
     return tok
 
 
