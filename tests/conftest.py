@@ -6,7 +6,7 @@ from mtp_heads.heads import MTPHeads, init_heads
 from rollout.models.config import ModelConfig
 from rollout.models.decoder import random_model
 
-torch.set_num_threads(2)
+torch.set_num_threads(1)  # tiny models: one thread is fastest, and Ray actors share the 2 cores
 
 
 def tiny_config(vocab_size: int = 64, **overrides) -> ModelConfig:
