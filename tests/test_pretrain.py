@@ -151,3 +151,23 @@ def test_draft_cost_reports_positive_times(policy):
     c = draft_cost(policy, heads, context=8, k=2, repeats=2)
     assert c["draft_vocab_size"] == 16
     assert all(c[key] > 0 for key in ("target_1", "target_k1", "head_block", "lm_head_full", "lm_head_draft"))
+
+
+def test_load_or_train_default_heads_trains_once_then_loads(policy, tmp_path, monkeypatch):
+    import mtp_heads.pretrain as pt
+    from mtp_heads.checkpoint import HeadMeta, save_heads
+    monkeypatch.setenv("MTP_ROLLOUT_CACHE", str(tmp_path))
+    calls = []
+
+    def fake_pretrain(policy, loaded, plan, out, **kw):
+        calls.append(out)
+        heads = init_heads(policy, plan.train.num_depths, seed=3)
+        save_heads(out, heads, HeadMeta.for_heads(heads, loss=plan.train.loss, steps=plan.train.steps))
+        return heads, None, None, None
+    monkeypatch.setattr(pt, "pretrain", fake_pretrain)
+    plan = pt.PretrainPlan(model="tiny", train=TrainConfig(num_depths=2, steps=5))
+    heads, meta = pt.load_or_train_default_heads(policy, None, model_spec="tiny", plan=plan)
+    again, meta2 = pt.load_or_train_default_heads(policy, None, model_spec="tiny", plan=plan)
+    assert len(calls) == 1 and calls[0] == tmp_path / "heads" / "tiny-D2-tv.safetensors"
+    assert meta2 == meta and meta.steps == 5
+    assert all(torch.equal(a, b) for a, b in zip(heads.parameters(), again.parameters()))
