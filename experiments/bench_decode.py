@@ -19,6 +19,7 @@ import sys
 import torch
 
 from experiments.generate import DEFAULT_PROMPTS, resolve_heads
+from mtp_heads.pretrain import TrainConfig
 from rollout.models.loaders import DEFAULT_MODEL, apply_chat_template
 from rollout.models.policy import load_policy
 from rollout.torch_engine import TorchEngine
@@ -92,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=DEFAULT_MODEL)
     ap.add_argument("--heads", default="auto", help="heads checkpoint, 'init' or 'auto'")
-    ap.add_argument("--num-depths", type=int, default=1)
+    ap.add_argument("--num-depths", type=int, default=TrainConfig.num_depths, help="depths of the 'auto' heads")
     ap.add_argument("--k", type=int, default=3)
     ap.add_argument("--draft-mode", choices=DRAFT_MODES, default="rejection")
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])

@@ -11,6 +11,7 @@ import torch
 from tqdm import tqdm
 
 from mtp_heads.heads import MTPHeads, init_heads
+from mtp_heads.pretrain import TrainConfig
 from rollout.models.decoder import CausalLM
 from rollout.models.loaders import DEFAULT_MODEL, apply_chat_template
 from rollout.models.policy import load_policy
@@ -31,7 +32,7 @@ def resolve_heads(policy: CausalLM, model: str, spec: str, num_depths: int) -> t
     from mtp_heads.checkpoint import default_heads_path, load_heads
 
     if spec == "auto":
-        path = default_heads_path(model, num_depths, "tv")
+        path = default_heads_path(model, num_depths, TrainConfig.loss)
         spec = str(path) if path.is_file() else "init"
     if spec == "init":
         return init_heads(policy, num_depths), "init (untrained: expect low acceptance)"
@@ -44,7 +45,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=DEFAULT_MODEL, help="named model, .gguf file or HF directory")
     ap.add_argument("--heads", default="auto", help="heads checkpoint, 'init' or 'auto' (default)")
-    ap.add_argument("--num-depths", type=int, default=1)
+    ap.add_argument("--num-depths", type=int, default=TrainConfig.num_depths, help="depths of the 'auto' heads")
     ap.add_argument("--prompt", action="append", help="user message (repeatable); default: four demo prompts")
     ap.add_argument("--k", type=int, default=3, help="draft tokens per round (0 = plain decoding)")
     ap.add_argument("--draft-mode", choices=DRAFT_MODES, default="rejection")
