@@ -1,0 +1,42 @@
+"""Directories vLLM loads: the policy as an HF model, the MTP heads as our drafter model.
+
+vLLM 0.32 reads neither GGUF nor in-memory modules, so both sides are written to disk once
+per engine; later refreshes go through vLLM's in-place reload, never through these files.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from mtp_heads.heads import MTPHeads
+from rollout.models.decoder import CausalLM
+from rollout.models.hf_loader import LoadedModel, export_hf_dir, hf_config_dict
+from rollout.vllm_drafter import ARCHITECTURE
+
+
+def export_policy_dir(policy: CausalLM, out_dir: str | Path, dtype: torch.dtype = torch.float32) -> Path:
+    """config.json + model.safetensors of the policy (no tokenizer: the engine passes token ids)."""
+    loaded = LoadedModel(policy.config, dict(policy.state_dict()), None, None, "mtp-rollout policy")
+    return export_hf_dir(loaded, out_dir, dtype=dtype, overwrite=True)
+
+
+def drafter_state_dict(heads: MTPHeads | dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Depth-1 tensors under our own names (`depths.0.*`): vLLM reuses one module for all k drafts."""
+    sd = heads.state_dict() if isinstance(heads, MTPHeads) else heads
+    return {k: torch.as_tensor(v).detach().cpu().contiguous() for k, v in sd.items() if k.startswith("depths.0.")}
+
+
+def export_drafter_dir(heads: MTPHeads, out_dir: str | Path, dtype: torch.dtype = torch.float32) -> Path:
+    """The policy's config.json with our drafter architecture and one layer, plus the depth-1 weights."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    cfg = hf_config_dict(heads.policy_config, dtype)
+    cfg.update(architectures=[ARCHITECTURE], num_hidden_layers=1, mtp_rollout_num_depths=heads.num_depths,
+               mtp_rollout_policy_fingerprint=heads.policy_fingerprint)
+    (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    tensors = {k: v.to(dtype) for k, v in drafter_state_dict(heads).items()}
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out

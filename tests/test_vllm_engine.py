@@ -1,0 +1,196 @@
+"""The vLLM engine against the torch engine on one tiny float32 model and D = 1 heads.
+
+vLLM reuses one drafter module for all k drafts, which is the torch engine with one depth, so
+with D = 1 both engines compute the same drafts: at temperature 0 outputs AND per-round accepted
+counts must be identical; at temperature 1 acceptance must agree within sampling error.
+One vLLM instance serves the module (starts cost ~10-30 s); the rejection-mode tests run last
+because changing the draft mode starts a second instance.
+"""
+import copy
+import math
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from mtp_heads.heads import MTPHeads, init_heads
+from rollout.models.decoder import random_model
+from rollout.torch_engine import TorchEngine
+from rollout.types import SamplingParams
+from tests.conftest import random_heads, tiny_config
+
+pytestmark = pytest.mark.vllm
+
+# head_dim 32: the vLLM CPU attention kernels want a multiple of 16
+CFG = tiny_config(vocab_size=256, hidden_size=128, intermediate_size=256, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=512, eos_token_ids=(1,))
+K = 3
+
+
+def _prompts(n: int = 6, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(2, CFG.vocab_size, (int(length),), generator=g).tolist()
+            for length in torch.randint(3, 13, (n,), generator=g)]
+
+
+def _sp(temperature: float, mode: str = "greedy", max_new_tokens: int = 20, seed: int = 0) -> SamplingParams:
+    return SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, num_draft_tokens=K,
+                          draft_mode=mode, ignore_eos=True, seed=seed)
+
+
+@pytest.fixture(scope="module")
+def policy():
+    return random_model(CFG, seed=0)
+
+
+@pytest.fixture(scope="module")
+def good_heads(policy):
+    return init_heads(policy, 1, seed=0)
+
+
+@pytest.fixture(scope="module")
+def engine(policy, good_heads, tmp_path_factory):
+    from rollout.vllm_engine import VLLMEngine, VLLMEngineConfig
+
+    # own copies: refreshes change the engine's policy / heads in place
+    eng = VLLMEngine(copy.deepcopy(policy), copy.deepcopy(good_heads),
+                     config=VLLMEngineConfig(work_dir=str(tmp_path_factory.mktemp("vllm")), max_model_len=512))
+    yield eng
+    eng.close()
+
+
+def _per_round(batch) -> np.ndarray:
+    return np.array([n for c in batch.completions for n in c.round_accepted], dtype=float)
+
+
+def _assert_same_acceptance(a: np.ndarray, b: np.ndarray, k: int) -> None:
+    """Mean accepted drafts per round agree within 4 standard errors (rounds ~ independent)."""
+    se = math.sqrt(a.var(ddof=1) / len(a) + b.var(ddof=1) / len(b))
+    assert abs(a.mean() - b.mean()) < 4 * se + 1e-9, (a.mean() / k, b.mean() / k, se / k)
+
+
+# ------------------------------------------------------------------------------ greedy draft mode
+def test_temperature_0_identical_outputs_and_acceptance(engine, policy, good_heads):
+    prompts = _prompts()
+    ours = TorchEngine(policy, good_heads).generate(prompts, _sp(0.0))
+    theirs = engine.generate(prompts, _sp(0.0))
+    for c_t, c_v in zip(ours.completions, theirs.completions):
+        assert c_v.tokens == c_t.tokens
+        assert c_v.round_accepted == c_t.round_accepted      # same drafter function, same KV history
+        np.testing.assert_allclose(c_v.logprobs, c_t.logprobs, atol=1e-4)
+        np.testing.assert_allclose(c_v.entropies, c_t.entropies, atol=1e-4)
+        assert len(c_v.draft_entropies) == len(c_v.round_accepted)
+        assert (c_v.policy_version, c_v.head_version, c_v.finish_reason) == (0, 0, "length")
+    # vLLM's own counters agree with the per-request ones
+    stats, per_request = engine.last_stats, theirs.spec_stats()
+    assert stats.num_drafts == per_request.num_drafts
+    assert stats.num_accepted_tokens == per_request.num_accepted_tokens
+    assert stats.accepted_per_pos == per_request.accepted_per_pos
+    assert stats.reached_per_pos == per_request.reached_per_pos
+
+
+def test_temperature_1_acceptance_matches_torch_greedy_mode(engine, policy, good_heads):
+    prompts = _prompts(8, seed=1)
+    ours = TorchEngine(policy, good_heads).generate(prompts, _sp(1.0, "greedy", 40, seed=1))
+    theirs = engine.generate(prompts, _sp(1.0, "greedy", 40, seed=1))
+    assert [len(c.tokens) for c in theirs.completions] == [40] * 8
+    _assert_same_acceptance(_per_round(theirs), _per_round(ours), K)
+
+
+def test_live_head_refresh_changes_acceptance_not_outputs(engine, policy, good_heads):
+    prompts, starts = _prompts(), engine.num_starts
+    bad = random_heads(policy, 1, seed=3)
+    ref_bad = TorchEngine(policy, bad).generate(prompts, _sp(0.0))
+    ref_good = TorchEngine(policy, good_heads).generate(prompts, _sp(0.0))
+    engine.update_heads(bad.state_dict(), version=1)
+    out_bad = engine.generate(prompts, _sp(0.0))
+    engine.update_heads(good_heads.state_dict(), version=2)
+    out_good = engine.generate(prompts, _sp(0.0))
+    assert engine.num_starts == starts                                      # no restart
+    for b, g, rb, rg in zip(out_bad.completions, out_good.completions, ref_bad.completions, ref_good.completions):
+        assert b.tokens == g.tokens == rg.tokens                            # lossless: outputs unchanged
+        assert b.round_accepted == rb.round_accepted                        # the drafter is the new heads
+        assert g.round_accepted == rg.round_accepted
+        assert (b.head_version, g.head_version) == (1, 2)
+    assert out_good.spec_stats().acceptance_rate > out_bad.spec_stats().acceptance_rate + 0.05
+
+
+def test_policy_refresh_logprobs_match_torch(engine, good_heads):
+    new_policy = random_model(CFG, seed=1)
+    engine.update_policy(new_policy.state_dict(), version=5)
+    prompts = _prompts()
+    ours = TorchEngine(new_policy, good_heads).generate(prompts, _sp(0.0))
+    theirs = engine.generate(prompts, _sp(0.0))
+    for c_t, c_v in zip(ours.completions, theirs.completions):
+        assert c_v.tokens == c_t.tokens
+        np.testing.assert_allclose(c_v.logprobs, c_t.logprobs, atol=1e-4)
+        assert c_v.round_accepted == c_t.round_accepted   # drafter sees the new shared embedding / LM head
+        assert c_v.policy_version == 5
+
+
+# ------------------------------------------------------------------------------ rejection draft mode
+def test_rejection_mode_matches_torch(engine):
+    prompts = _prompts(8, seed=2)
+    # the engine's own torch copies hold the weights vLLM has now (whatever earlier tests refreshed)
+    ref = TorchEngine(copy.deepcopy(engine.policy), copy.deepcopy(engine.heads))
+    greedy_t, greedy_v = ref.generate(prompts, _sp(0.0, "rejection")), engine.generate(prompts, _sp(0.0, "rejection"))
+    assert [c.tokens for c in greedy_v.completions] == [c.tokens for c in greedy_t.completions]
+    ours = ref.generate(prompts, _sp(1.0, "rejection", 40, seed=2))
+    theirs = engine.generate(prompts, _sp(1.0, "rejection", 40, seed=2))
+    _assert_same_acceptance(_per_round(theirs), _per_round(ours), K)
+    assert engine.last_stats.num_drafts == len(_per_round(theirs))
+
+
+# ------------------------------------------------------------------------------ bad input
+def test_heads_for_another_policy_are_rejected(policy):
+    from rollout.vllm_engine import VLLMEngine
+
+    other = MTPHeads(tiny_config(vocab_size=256, hidden_size=64, intermediate_size=128), 1)
+    with pytest.raises(ValueError, match="train or load heads for this policy"):
+        VLLMEngine(policy, other)
+    same_shape_other_arch = MTPHeads(tiny_config(vocab_size=256, hidden_size=128, intermediate_size=256,
+                                                 num_hidden_layers=3, num_attention_heads=4), 1)
+    with pytest.raises(ValueError, match="another policy"):
+        VLLMEngine(policy, same_shape_other_arch)
+
+
+def test_bad_prompts_and_weights_rejected_before_vllm(policy, good_heads):
+    from rollout.vllm_engine import VLLMEngine
+
+    eng = VLLMEngine(copy.deepcopy(policy), copy.deepcopy(good_heads))
+    with pytest.raises(ValueError, match="empty"):
+        eng.generate([], _sp(0.0))
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        eng.generate([[5, 999]], _sp(0.0))
+    with pytest.raises(ValueError, match="exceeds the context length"):
+        eng.generate([[5] * 500], _sp(0.0, max_new_tokens=64))
+    with pytest.raises(ValueError, match="needs MTP heads"):
+        VLLMEngine(policy).generate([[5, 6]], _sp(0.0))
+    with pytest.raises(ValueError, match="do not fit this policy"):
+        eng.update_heads({"depths.0.eh_proj.weight": torch.zeros(64, 128)}, 1)
+    with pytest.raises(ValueError, match="unknown"):
+        eng.update_policy({"model.layers.9.mlp.up_proj.weight": torch.zeros(2, 2)}, 1)
+    assert eng.num_starts == 0
+
+
+def test_missing_vllm_names_the_fix(monkeypatch, policy):
+    from rollout import vllm_engine
+
+    monkeypatch.setitem(sys.modules, "vllm", None)   # import vllm -> ImportError
+    with pytest.raises(ImportError, match=r"pip install 'mtp-rollout\[vllm\]'"):
+        vllm_engine.require_vllm()
+
+
+def test_vllm_without_draft_sampling_option_names_the_fix(monkeypatch):
+    from dataclasses import dataclass
+
+    from rollout import vllm_engine
+
+    @dataclass
+    class OldSpeculativeConfig:
+        num_speculative_tokens: int = 0
+
+    monkeypatch.setattr(vllm_engine, "_speculative_config_class", lambda: OldSpeculativeConfig)
+    with pytest.raises(RuntimeError, match=r"draft_sample_method.*pip install 'mtp-rollout\[vllm\]'"):
+        vllm_engine.require_vllm()
