@@ -14,6 +14,8 @@ registered as an out-of-tree model (`ModelRegistry.register_model`, vLLM's docum
 mechanism) under an `Eagle...` architecture name so that the `eagle` method loads them, and
 the hidden state fed back to the next step is the post-norm one, as in our engine.
 Heads with D > 1 depths: vLLM reuses one module recursively, so only depth 1 is exported.
+A reduced draft vocabulary is applied as a -inf mask on the full LM-head logits: the same q as
+the torch engine, without its saving of LM-head rows.
 """
 from __future__ import annotations
 
@@ -22,7 +24,8 @@ from collections.abc import Callable, Iterable
 import torch
 from torch import nn
 
-ARCHITECTURE = "EagleMtpRolloutDrafter"   # "Eagle" prefix: vLLM's EAGLEConfig keeps the name as is
+ARCHITECTURE = "EagleMtpRolloutDrafter"
+DRAFT_VOCAB = "draft_vocab"              # checkpoint tensor [N] int64 (mtp_heads.checkpoint's name)   # "Eagle" prefix: vLLM's EAGLEConfig keeps the name as is
 
 # HF names of a decoder layer -> (vLLM stacked parameter, shard id)
 _STACKED = {
@@ -106,6 +109,10 @@ class MtpRolloutDrafter(nn.Module):
         target_layers = vllm_config.model_config.get_num_layers(vllm_config.parallel_config)
         self.model = _Body(vllm_config, config, f"{prefix}.model" if prefix else "model", target_layers)
         self.logits_processor = LogitsProcessor(config.vocab_size)
+        # reduced draft vocabulary (EAGLE-3 style): token ids [N]; q = 0 elsewhere. A plain attribute,
+        # not a buffer, so that in-place weight reloads leave it alone; fixed for the engine's lifetime.
+        self.draft_vocab: torch.Tensor | None = None
+        self._draft_bias: torch.Tensor | None = None
         # lm_head and model.embed_tokens are the target's, installed by the proposer's load_model
         # (no `has_own_lm_head` / `has_own_embed_tokens` attribute = shared, as for MTP drafters)
 
@@ -120,8 +127,14 @@ class MtpRolloutDrafter(nn.Module):
         return out, out
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        # [N, d] -> [N, V]
-        return self.logits_processor(self.lm_head, hidden_states)
+        # [N, d] -> [N, V]; with a draft vocabulary, -inf outside it (same q as MTPHeads.draft_logits)
+        logits = self.logits_processor(self.lm_head, hidden_states)
+        if self.draft_vocab is None or logits is None:
+            return logits
+        if self._draft_bias is None or self._draft_bias.device != logits.device:
+            bias = torch.full((logits.shape[-1],), float("-inf"), dtype=logits.dtype, device=logits.device)
+            self._draft_bias = bias.index_fill_(0, self.draft_vocab.to(logits.device), 0.0)
+        return logits + self._draft_bias
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Loads `depths.0.*` names (our state dict); deeper depths are ignored (see module doc)."""
@@ -130,6 +143,9 @@ class MtpRolloutDrafter(nn.Module):
         params = dict(self.named_parameters())
         loaded: set[str] = set()
         for name, tensor in weights:
+            if name == DRAFT_VOCAB:
+                self.draft_vocab, self._draft_bias = tensor.to(torch.long).flatten().cpu(), None
+                continue
             name = name.removeprefix("model.")
             if not name.startswith("depths.0."):
                 continue

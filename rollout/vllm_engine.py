@@ -276,9 +276,6 @@ class VLLMEngine:
             raise ValueError(f"MTP heads were built for another policy architecture (fingerprint "
                              f"{heads.policy_fingerprint} != {self.policy.config.fingerprint()}); "
                              "train or load heads for this policy")
-        if getattr(heads, "draft_vocab", None) is not None:
-            raise ValueError("heads with a reduced draft vocabulary are not supported by the vllm engine; "
-                             "use full-vocabulary heads (draft_vocab_size=0)")
         if heads.num_depths > 1:
             logger.warning("vLLM reuses one drafter module for all k drafts: only depth 1 of these %d-depth "
                            "heads is used (the torch engine would use depths 2..%d too)",

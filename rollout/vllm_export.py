@@ -14,7 +14,7 @@ from safetensors.torch import save_file
 from mtp_heads.heads import MTPHeads
 from rollout.models.decoder import CausalLM
 from rollout.models.hf_loader import LoadedModel, export_hf_dir, hf_config_dict
-from rollout.vllm_drafter import ARCHITECTURE
+from rollout.vllm_drafter import ARCHITECTURE, DRAFT_VOCAB
 
 
 def export_policy_dir(policy: CausalLM, out_dir: str | Path, dtype: torch.dtype = torch.float32) -> Path:
@@ -38,5 +38,8 @@ def export_drafter_dir(heads: MTPHeads, out_dir: str | Path, dtype: torch.dtype 
                mtp_rollout_policy_fingerprint=heads.policy_fingerprint)
     (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
     tensors = {k: v.to(dtype) for k, v in drafter_state_dict(heads).items()}
+    vocab = getattr(heads, DRAFT_VOCAB, None)
+    if vocab is not None:
+        tensors[DRAFT_VOCAB] = vocab.detach().to(device="cpu", dtype=torch.int64).contiguous()
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     return out

@@ -3,8 +3,8 @@
 vLLM reuses one drafter module for all k drafts, which is the torch engine with one depth, so
 with D = 1 both engines compute the same drafts: at temperature 0 outputs AND per-round accepted
 counts must be identical; at temperature 1 acceptance must agree within sampling error.
-One vLLM instance serves the module (starts cost ~10-30 s); the rejection-mode tests run last
-because changing the draft mode starts a second instance.
+One vLLM instance serves the greedy-draft-mode tests (starts cost ~10-60 s); the rejection-mode
+test runs last in a second instance, with heads that have a reduced draft vocabulary.
 """
 import copy
 import math
@@ -130,16 +130,27 @@ def test_policy_refresh_logprobs_match_torch(engine, good_heads):
 
 
 # ------------------------------------------------------------------------------ rejection draft mode
-def test_rejection_mode_matches_torch(engine):
+def test_rejection_mode_with_draft_vocab_matches_torch(engine, policy, good_heads, tmp_path):
+    """A second vLLM instance: rejection mode, heads with a reduced draft vocabulary (q = 0 outside)."""
+    from mtp_heads.checkpoint import set_draft_vocab
+    from rollout.vllm_engine import VLLMEngine, VLLMEngineConfig
+
+    engine.close()                                # one vLLM instance at a time on the test machine
+    heads = set_draft_vocab(copy.deepcopy(good_heads), torch.arange(0, CFG.vocab_size, 2))
+    ref = TorchEngine(policy, heads)
+    engine = VLLMEngine(copy.deepcopy(policy), copy.deepcopy(heads),
+                        config=VLLMEngineConfig(work_dir=str(tmp_path), max_model_len=512))
     prompts = _prompts(8, seed=2)
-    # the engine's own torch copies hold the weights vLLM has now (whatever earlier tests refreshed)
-    ref = TorchEngine(copy.deepcopy(engine.policy), copy.deepcopy(engine.heads))
     greedy_t, greedy_v = ref.generate(prompts, _sp(0.0, "rejection")), engine.generate(prompts, _sp(0.0, "rejection"))
     assert [c.tokens for c in greedy_v.completions] == [c.tokens for c in greedy_t.completions]
+    assert [c.round_accepted for c in greedy_v.completions] == [c.round_accepted for c in greedy_t.completions]
     ours = ref.generate(prompts, _sp(1.0, "rejection", 40, seed=2))
     theirs = engine.generate(prompts, _sp(1.0, "rejection", 40, seed=2))
     _assert_same_acceptance(_per_round(theirs), _per_round(ours), K)
     assert engine.last_stats.num_drafts == len(_per_round(theirs))
+    drafted = [t for c in theirs.completions for t in c.tokens]
+    assert any(t % 2 for t in drafted)            # outputs are not limited to the draft vocabulary
+    engine.close()
 
 
 # ------------------------------------------------------------------------------ bad input
