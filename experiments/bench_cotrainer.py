@@ -54,6 +54,8 @@ def build_models(args):
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--heads-path", default=None, help="pre-trained heads (mtp_heads.checkpoint); default: init_heads")
+    ap.add_argument("--num-depths", type=int, default=1)
     ap.add_argument("--tiny", action="store_true", help="random tiny model (smoke test of this script)")
     ap.add_argument("--rounds", type=int, default=5, help="off/on pairs")
     ap.add_argument("--prompts", type=int, default=8)
@@ -80,7 +82,7 @@ def main(argv=None) -> dict:
         cotrainer=CoTrainerConfig(refresh=("never",), batch_tokens=args.batch_tokens, num_cpus=args.cotrainer_cpus,
                                   replay_capacity=64),
         monitor=MonitorConfig(out_dir=os.path.join(tmp, "monitor"), n_boot=100, tensorboard=False, plots=False),
-        model=args.model, num_depths=1, ray_address=args.ray_address)
+        model=args.model, heads_path=args.heads_path, num_depths=args.num_depths, ray_address=args.ray_address)
     accel = RolloutAccelerator.from_config(cfg, policy=policy)
     sampling = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=1.0, num_draft_tokens=args.k,
                               ignore_eos=True, seed=0)
@@ -117,7 +119,8 @@ def main(argv=None) -> dict:
         accel.shutdown()
         ray.shutdown()
     result = {
-        "model": "tiny-random" if args.tiny else args.model, "prompts": args.prompts,
+        "model": "tiny-random" if args.tiny else args.model, "heads": args.heads_path or "init_heads",
+        "prompts": args.prompts,
         "max_new_tokens": args.max_new_tokens, "k": args.k, "rounds": args.rounds,
         "worker_cpus": args.worker_cpus, "cotrainer_cpus": args.cotrainer_cpus, "batch_tokens": args.batch_tokens,
         "median_off_tok_s": statistics.median(off), "median_on_tok_s": statistics.median(on),

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -145,12 +146,17 @@ class RolloutAccelerator:
     def __init__(self, cfg: AcceleratorConfig, policy: CausalLM, heads: MTPHeads, *, owns_ray: bool):
         self.cfg = cfg
         self._owns_ray = owns_ray
+        # generate() may run in a prefetch thread while the driver syncs weights or ends a step:
+        # the lock keeps worker replacement, weight refs and the step's completions consistent.
+        self._lock = threading.RLock()
         self._policy_config = policy.config
         self._num_depths = heads.num_depths
-        self._policy_index = {e.name: e.shape for e in pack(policy.state_dict()).index}
+        # the full current policy (a sync may send only the trained tensors): what respawned actors load
+        self._policy_state = {k: v.detach().to("cpu", copy=True) for k, v in policy.state_dict().items()}
+        self._policy_index = {k: tuple(v.shape) for k, v in self._policy_state.items()}
+        self._full_ref = ray.put(pack(self._policy_state))
         self.policy_version = 0
         self.head_version = 0
-        self._policy_ref = ray.put(pack(policy.state_dict()))
         self._heads_ref = ray.put(pack(heads.state_dict()))
         self._worker_cls = ray.remote(RolloutWorker)
         self._cotrainer_cls = ray.remote(HeadCoTrainer)
@@ -187,19 +193,24 @@ class RolloutAccelerator:
         heads.check_compatible(policy)
         return cls(cfg, policy, heads, owns_ray=owns_ray)
 
+    def _full_policy_ref(self):
+        if self._full_ref is None:
+            self._full_ref = ray.put(pack(self._policy_state))
+        return self._full_ref
+
     def _spawn_worker(self, i: int):
         """A fresh worker holding the latest policy and heads (also after a crash)."""
         w = self.cfg.workers
         return self._worker_cls.options(num_cpus=w.num_cpus_per_worker, num_gpus=w.num_gpus_per_worker,
                                         max_restarts=0).remote(
-            i, w, self._policy_config, self._policy_ref, self.policy_version, self._heads_ref, self._num_depths,
+            i, w, self._policy_config, self._full_policy_ref(), self.policy_version, self._heads_ref, self._num_depths,
             self.head_version, dtype=self.cfg.dtype, num_threads=_threads(w.num_cpus_per_worker))
 
     def _spawn_cotrainer(self):
         """A co-trainer with the latest policy; it resumes its heads from checkpoint_dir if one is there."""
         c = self.cfg.cotrainer
         return self._cotrainer_cls.options(num_cpus=c.num_cpus, num_gpus=c.num_gpus, max_restarts=0).remote(
-            c, self._policy_config, self._policy_ref, self.policy_version, self._heads_ref, self._num_depths,
+            c, self._policy_config, self._full_policy_ref(), self.policy_version, self._heads_ref, self._num_depths,
             self.head_version, seed=self.cfg.seed, num_threads=_threads(c.num_cpus),
             device="cuda" if c.num_gpus > 0 else "cpu")
 
@@ -208,18 +219,26 @@ class RolloutAccelerator:
     def sync_policy(self, named_tensors: dict[str, torch.Tensor], version: int) -> None:
         """New policy weights to every worker and the co-trainer: one object-store put, no waiting.
         Workers apply them after the generate call they may be running."""
-        unknown = [k for k in named_tensors if k not in self._policy_index]
+        tied = self._policy_config.tie_word_embeddings
+        unknown = [k for k in named_tensors if k not in self._policy_index and not (tied and k == "lm_head.weight")]
         bad = [k for k, t in named_tensors.items() if k in self._policy_index
                and tuple(t.shape) != self._policy_index[k]]
         if unknown or bad:
             raise ValueError(f"sync_policy: names not in the policy {unknown[:5]}, wrong shapes {bad[:5]}; "
                              "send the policy's own state_dict names (HF naming)")
-        self._policy_ref = ray.put(pack(named_tensors))
-        self.policy_version = version
-        for w in self.workers:
-            w.update_policy.remote(self._policy_ref, version)
-        if self.cotrainer is not None:
-            self.cotrainer.update_policy.remote(self._policy_ref, version)
+        flat = pack(named_tensors)
+        with self._lock:
+            with torch.no_grad():
+                for k, t in named_tensors.items():        # keep the full current policy for respawns
+                    if k in self._policy_state:
+                        self._policy_state[k].copy_(t)
+            self._full_ref = None                         # re-packed only if an actor must be respawned
+            ref = ray.put(flat)
+            self.policy_version = version
+            for w in self.workers:
+                w.update_policy.remote(ref, version)
+            if self.cotrainer is not None:
+                self.cotrainer.update_policy.remote(ref, version)
 
     def generate(self, prompts: list[list[int]], sampling: SamplingParams,
                  domains: list[str] | None = None) -> RolloutBatch:
@@ -255,10 +274,11 @@ class RolloutAccelerator:
             for comp, dom in zip(comps, domains):
                 comp.domain = dom
         batch = RolloutBatch(comps, wall_time_s=time.perf_counter() - t0)
-        self._step_completions.extend(comps)
-        self._step_wall_s += batch.wall_time_s
-        if self.cotrainer is not None:   # fire and forget: never waits on the co-trainer
-            self.cotrainer.add_rollouts.remote([(c.prompt, c.tokens) for c in comps])
+        with self._lock:
+            self._step_completions.extend(comps)
+            self._step_wall_s += batch.wall_time_s
+            if self.cotrainer is not None:   # fire and forget: never waits on the co-trainer
+                self.cotrainer.add_rollouts.remote([(c.prompt, c.tokens) for c in comps])
         return batch
 
     def end_step(self, step: int, extra_metrics: dict | None = None) -> dict:
@@ -266,8 +286,9 @@ class RolloutAccelerator:
         notices a dead co-trainer, and asks the co-trainer about this step (without waiting)."""
         self._step = step
         self._poll_cotrainer(step, wait=None)
-        comps, wall = self._step_completions, self._step_wall_s
-        self._step_completions, self._step_wall_s = [], 0.0
+        with self._lock:
+            comps, wall = self._step_completions, self._step_wall_s
+            self._step_completions, self._step_wall_s = [], 0.0
         if not comps:
             logger.warning("end_step(%d): no generate() since the last end_step; nothing recorded", step)
             return {"step": step, "num_completions": 0}
@@ -303,11 +324,12 @@ class RolloutAccelerator:
         self._publish(pack(named_tensors), version, self._step if step is None else step, {"reason": reason})
 
     def _publish(self, flat: FlatWeights, version: int, step: int, detail: dict) -> None:
-        self._heads_ref = ray.put(flat)
-        self.head_version = version
-        for w in self.workers:
-            w.update_heads.remote(self._heads_ref, version)
-        self.monitor.record_event(step, "head_refresh", {"head_version": version, **detail})
+        with self._lock:
+            self._heads_ref = ray.put(flat)
+            self.head_version = version
+            for w in self.workers:
+                w.update_heads.remote(self._heads_ref, version)
+            self.monitor.record_event(step, "head_refresh", {"head_version": version, **detail})
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait for the co-trainer's pending decision (tests, clean shutdown); True if none is left."""
@@ -316,11 +338,12 @@ class RolloutAccelerator:
 
     def restart_cotrainer(self) -> None:
         """Start a new co-trainer; it resumes from the last checkpoint in cotrainer.checkpoint_dir."""
-        if self.cotrainer is not None:
-            ray.kill(self.cotrainer)
-        self._pending = None
-        self.cotrainer = self._spawn_cotrainer()
-        self.monitor.record_event(self._step, "cotrainer_restarted", {"head_version": self.head_version})
+        with self._lock:
+            if self.cotrainer is not None:
+                ray.kill(self.cotrainer)
+            self._pending = None
+            self.cotrainer = self._spawn_cotrainer()
+            self.monitor.record_event(self._step, "cotrainer_restarted", {"head_version": self.head_version})
 
     def _poll_cotrainer(self, step: int, wait: float | None) -> None:
         if self._pending is None:
@@ -356,6 +379,7 @@ class RolloutAccelerator:
 
     def _replace_worker(self, slot: int, error: Exception) -> None:
         logger.warning("rollout worker %d died (%s); starting a replacement", slot, type(error).__name__)
-        ray.kill(self.workers[slot])
-        self.workers[slot] = self._spawn_worker(slot)
-        self.monitor.record_event(self._step, "worker_restarted", {"worker": slot, "error": str(error)[:500]})
+        with self._lock:
+            ray.kill(self.workers[slot])
+            self.workers[slot] = self._spawn_worker(slot)
+            self.monitor.record_event(self._step, "worker_restarted", {"worker": slot, "error": str(error)[:500]})

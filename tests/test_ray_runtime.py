@@ -219,6 +219,8 @@ def test_worker_killed_mid_generate_batch_complete(local_ray, models, tmp_path):
         RolloutAccelerator.from_config(make_cfg(tmp_path, WorkerConfig(num_workers=3)), policy=policy, heads=heads)
     accel = RolloutAccelerator.from_config(make_cfg(tmp_path, workers, enabled=False), policy=policy, heads=heads)
     try:
+        name = "model.layers.0.mlp.down_proj.weight"          # a partial update: respawns need the rest too
+        accel.sync_policy({name: policy.state_dict()[name] * 1.5}, version=5)
         prompts = [[2 + i % 7, 3, 4, 5 + i % 5] for i in range(16)]
         sampling = SamplingParams(max_new_tokens=160, temperature=1.0, num_draft_tokens=2, seed=11,
                                   ignore_eos=True)
@@ -241,7 +243,7 @@ def test_worker_killed_mid_generate_batch_complete(local_ray, models, tmp_path):
         assert len(events(accel, "worker_restarted")) == 1
         assert [c.prompt for c in batch.completions] == prompts
         assert [c.tokens for c in batch.completions] == [c.tokens for c in reference.completions]
-        assert all(len(c.tokens) == 160 for c in batch.completions)
+        assert all(len(c.tokens) == 160 and c.policy_version == 5 for c in batch.completions)
         assert ray.get(accel.workers[0].stats.remote())["pid"] != pid    # a replacement took the slot
         assert math.isfinite(accel.end_step(0)["acceptance_rate"])
     finally:
