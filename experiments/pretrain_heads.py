@@ -17,11 +17,12 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from mtp_heads.checkpoint import _atomic_write, default_heads_path, read_meta
-from mtp_heads.pretrain import (OBJECTIVES, DataConfig, PretrainPlan, TrainConfig, chat_prompts, decode_speedup,
-                                draft_cost, engine_acceptance, pretrain, teacher_forced_acceptance)
+from mtp_heads.pretrain import (OBJECTIVES, DataConfig, PretrainPlan, TokenData, TrainConfig, chat_prompts,
+                                decode_speedup, draft_cost, engine_acceptance, pretrain, teacher_forced_acceptance)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -50,6 +51,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--eval-new-tokens", type=int, default=64)
     ap.add_argument("--speedup-prompts", type=int, default=0, help="batch-1 k=0 vs k speed test prompts (0 = skip)")
     ap.add_argument("--data-only", action="store_true", help="generate (and cache) the data, then stop")
+    ap.add_argument("--eval-only", action="store_true", help="evaluate the checkpoint at --out, no training")
+    ap.add_argument("--train-eval-sequences", type=int, default=16,
+                    help="training sequences also scored teacher-forced (train vs held-out gap = data-limited)")
     ap.add_argument("--no-progress", action="store_true")
     return ap.parse_args(argv)
 
@@ -85,11 +89,23 @@ def main(argv: list[str] | None = None) -> dict:
         print(json.dumps(report["data"]))
         return report
     t_train = time.perf_counter()
-    heads, meta, train, held = pretrain(policy, loaded, plan, out, resume=a.resume, progress=not a.no_progress)
+    if a.eval_only:
+        from mtp_heads.checkpoint import load_heads
+        from mtp_heads.pretrain import prepare_data
+        train, held = prepare_data(policy, loaded, plan.data, progress=not a.no_progress)
+        heads, meta = load_heads(out, policy)
+    else:
+        heads, meta, train, held, result = pretrain(policy, loaded, plan, out, resume=a.resume,
+                                                    progress=not a.no_progress)
+        report["losses"] = result.losses
+        report["train_rows_per_s"] = result.rows_per_s
     report["train"] = {"steps": meta.steps, "train_tokens": train.num_completion_tokens(),
                        "eval_tokens": held.num_completion_tokens(), "draft_vocab_size": meta.draft_vocab_size,
                        "seconds_total": time.perf_counter() - t0, "seconds_data_and_train": time.perf_counter() - t_train}
     report["teacher_forced"] = teacher_forced_acceptance(policy, heads, held, plan.train.temperature)
+    if a.train_eval_sequences:
+        subset = TokenData.concat([_one(train, i) for i in range(min(a.train_eval_sequences, len(train)))])
+        report["teacher_forced_train"] = teacher_forced_acceptance(policy, heads, subset, plan.train.temperature)
     prompts = chat_prompts(loaded, max(a.eval_prompts, a.speedup_prompts), held_out=True, task_fraction=0.25,
                            seed=a.seed + 7)
     if a.eval_prompts:
@@ -110,11 +126,19 @@ def main(argv: list[str] | None = None) -> dict:
     return report
 
 
+def _one(data: TokenData, i: int) -> TokenData:
+    tokens, hidden, prompt_len = data.sequence(i)
+    return TokenData(tokens, hidden, np.array([0, len(tokens)], dtype=np.int64), np.array([prompt_len], dtype=np.int32))
+
+
 def summary(report: dict) -> str:
     lines = [f"loss={report['plan']['train']['loss']} steps={report['train']['steps']} "
              f"train_tokens={report['train']['train_tokens']} draft_vocab={report['train']['draft_vocab_size'] or 'full'}"]
     for d in report["teacher_forced"]:
         lines.append(f"  depth {d['depth']}: teacher-forced acceptance rejection={d['rejection']:.3f} "
+                     f"greedy={d['greedy']:.3f} ({d['rows']} held-out rows)")
+    for d in report.get("teacher_forced_train", []):
+        lines.append(f"  depth {d['depth']}: on training sequences rejection={d['rejection']:.3f} "
                      f"greedy={d['greedy']:.3f} ({d['rows']} rows)")
     for mode, r in report.get("engine", {}).items():
         cond = " ".join(f"{c:.3f}" for c in r["conditional_acceptance"])

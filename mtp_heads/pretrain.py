@@ -688,7 +688,7 @@ def prepare_data(policy: CausalLM, loaded, data_cfg: DataConfig, progress: bool 
 
 
 def pretrain(policy: CausalLM, loaded, plan: PretrainPlan, out: str | os.PathLike, *, resume: bool = False,
-             progress: bool = True) -> tuple[MTPHeads, HeadMeta, TokenData, TokenData]:
+             progress: bool = True) -> tuple[MTPHeads, HeadMeta, TokenData, TokenData, TrainResult]:
     """Data (cached) -> draft vocabulary -> training with checkpoints at `out`."""
     train, held = prepare_data(policy, loaded, plan.data, progress)
     vocab = None
@@ -698,7 +698,7 @@ def pretrain(policy: CausalLM, loaded, plan: PretrainPlan, out: str | os.PathLik
     notes = json.dumps({"data": asdict(plan.data), "train_tokens": train.num_completion_tokens()}, sort_keys=True)
     result = train_heads(policy, train, plan.train, draft_vocab=vocab, checkpoint=out, resume=resume,
                          meta_defaults={"model_spec": plan.model, "notes": notes}, progress=progress)
-    return result.heads, read_meta(out), train, held
+    return result.heads, read_meta(out), train, held, result
 
 
 def load_or_train_default_heads(policy: CausalLM, loaded, *, model_spec: str = "smollm2-135m",
@@ -715,5 +715,5 @@ def load_or_train_default_heads(policy: CausalLM, loaded, *, model_spec: str = "
             return load_heads(path, policy)
         except ValueError:
             pass
-    heads, meta, _, _ = pretrain(policy, loaded, plan, path, progress=progress)
+    pretrain(policy, loaded, plan, path, progress=progress)
     return load_heads(path, policy)

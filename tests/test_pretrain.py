@@ -163,7 +163,7 @@ def test_load_or_train_default_heads_trains_once_then_loads(policy, tmp_path, mo
         calls.append(out)
         heads = init_heads(policy, plan.train.num_depths, seed=3)
         save_heads(out, heads, HeadMeta.for_heads(heads, loss=plan.train.loss, steps=plan.train.steps))
-        return heads, None, None, None
+        return heads, None, None, None, None
     monkeypatch.setattr(pt, "pretrain", fake_pretrain)
     plan = pt.PretrainPlan(model="tiny", train=TrainConfig(num_depths=2, steps=5))
     heads, meta = pt.load_or_train_default_heads(policy, None, model_spec="tiny", plan=plan)
@@ -171,3 +171,13 @@ def test_load_or_train_default_heads_trains_once_then_loads(policy, tmp_path, mo
     assert len(calls) == 1 and calls[0] == tmp_path / "heads" / "tiny-D2-tv.safetensors"
     assert meta2 == meta and meta.steps == 5
     assert all(torch.equal(a, b) for a, b in zip(heads.parameters(), again.parameters()))
+
+
+def test_cli_flags_map_onto_the_plan():
+    from experiments.pretrain_heads import parse_args, plan_from_args
+    plan = plan_from_args(parse_args(["--loss", "ce", "--depths", "2", "--steps", "7", "--draft-vocab", "0",
+                                      "--num-sequences", "9", "--max-new-tokens", "33", "--seed", "4"]))
+    assert (plan.train.loss, plan.train.num_depths, plan.train.steps, plan.train.draft_vocab_size) == ("ce", 2, 7, 0)
+    assert (plan.data.num_sequences, plan.data.max_new_tokens, plan.data.seed, plan.train.seed) == (9, 33, 4, 4)
+    with pytest.raises(SystemExit):
+        parse_args(["--loss", "mse"])
