@@ -46,7 +46,6 @@ from rollout.models.decoder import CausalLM
 from rollout.models.default_model import cache_dir
 from rollout.torch_engine import TorchEngine
 from rollout.types import SamplingParams
-from rollout.verify import process_logits, sample
 
 DATA_FORMAT = 1
 
@@ -553,38 +552,11 @@ def teacher_forced_acceptance(policy: CausalLM, heads: MTPHeads, data: TokenData
             for j, s in enumerate(sums)]
 
 
-class DraftVocabEngine(TorchEngine):
-    """TorchEngine whose heads draft from their draft vocabulary only (q = 0 outside it).
-
-    Interim: the proposed change to TorchEngine._draft_token (see experiments/README_heads.md);
-    without a draft vocabulary it behaves exactly like TorchEngine.
-    """
-
-    def generate(self, prompts, sampling):
-        vocab = None if self.heads is None else draft_vocab_of(self.heads)
-        self._draft_vocab = vocab
-        if vocab is not None:
-            self._draft_weight = self.policy.lm_head_weight.index_select(0, vocab).contiguous()  # [|S|, d]
-        return super().generate(prompts, sampling)
-
-    def _draft_token(self, head_hidden: torch.Tensor, sp: SamplingParams, gen):
-        # head_hidden [B, d] -> token [B], q [B, V] zero outside the draft vocabulary
-        vocab = getattr(self, "_draft_vocab", None)
-        if vocab is None:
-            return super()._draft_token(head_hidden, sp, gen)
-        q_small = process_logits(F.linear(head_hidden, self._draft_weight).float(), sp.temperature, sp.top_k,
-                                 sp.top_p)                                                  # [B, |S|]
-        idx = q_small.argmax(-1) if sp.draft_mode == "greedy" else sample(q_small, gen)
-        q = torch.zeros(head_hidden.shape[0], self.policy.config.vocab_size, device=q_small.device)
-        q.index_copy_(1, vocab, q_small)
-        return vocab[idx], q
-
-
 def engine_acceptance(policy: CausalLM, heads: MTPHeads, prompts: list[list[int]], *, k: int = 3,
                       temperature: float = 1.0, max_new_tokens: int = 128, batch_size: int = 8,
                       modes: Sequence[str] = ("greedy", "rejection"), seed: int = 0) -> dict[str, dict]:
     """The engine's measured acceptance at k drafts per round, per draft mode."""
-    engine = DraftVocabEngine(policy, heads)
+    engine = TorchEngine(policy, heads)
     out = {}
     for mode in modes:
         sp = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, num_draft_tokens=k,
@@ -607,7 +579,7 @@ def decode_speedup(policy: CausalLM, heads: MTPHeads, prompts: list[list[int]], 
                    repeats: int = 1, seed: int = 0) -> dict:
     """Batch-1 tokens/s of plain decoding (k = 0) vs speculative (k), prompt by prompt, interleaved
     so that load from other processes hits both alike."""
-    engine = DraftVocabEngine(policy, heads)
+    engine = TorchEngine(policy, heads)
     times = {0: [0.0, 0], k: [0.0, 0]}
     for r in range(repeats):
         for i, prompt in enumerate(prompts):

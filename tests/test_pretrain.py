@@ -5,7 +5,7 @@ import torch
 
 from mtp_heads.checkpoint import draft_vocab_of, load_heads, read_meta, set_draft_vocab
 from mtp_heads.heads import init_heads
-from mtp_heads.pretrain import (OBJECTIVES, DataConfig, DraftVocabEngine, TokenData, TrainConfig,
+from mtp_heads.pretrain import (OBJECTIVES, DataConfig, TokenData, TrainConfig,
                                 draft_vocab_from_counts, engine_acceptance, generate_token_data,
                                 teacher_forced_acceptance, train_heads)
 from rollout.torch_engine import TorchEngine
@@ -115,24 +115,9 @@ def test_draft_vocab_is_frequency_based_and_drafts_stay_inside(policy, data):
     assert draft_vocab_of(res.heads).tolist() == vocab.tolist()
     tf = teacher_forced_acceptance(policy, res.heads, data)
     assert all(0 < d["rejection"] < 1 for d in tf)
-    eng = DraftVocabEngine(policy, res.heads)
-    out = eng.generate([[3, 4, 5]], SamplingParams(max_new_tokens=12, num_draft_tokens=2, seed=0))
+    out = TorchEngine(policy, res.heads).generate([[3, 4, 5]], SamplingParams(max_new_tokens=12, num_draft_tokens=2,
+                                                                             seed=0))
     assert len(out.completions[0].tokens) == 12
-    q = eng._draft_token(torch.randn(2, 32), SamplingParams(num_draft_tokens=2), None)[1]
-    outside = torch.ones(64, dtype=torch.bool)
-    outside[vocab] = False
-    assert float(q[:, outside].abs().sum()) == 0.0 and torch.allclose(q.sum(-1), torch.ones(2))
-
-
-def test_draft_vocab_engine_is_lossless_at_temperature_zero(policy):
-    heads = init_heads(policy, 2, seed=0)
-    set_draft_vocab(heads, torch.arange(0, 64, 2))
-    prompts = _prompts(3, 5)
-    sp = SamplingParams(max_new_tokens=16, temperature=0.0, ignore_eos=True)
-    plain = TorchEngine(policy).generate(prompts, sp)
-    spec = DraftVocabEngine(policy, heads).generate(prompts, SamplingParams(
-        max_new_tokens=16, temperature=0.0, num_draft_tokens=3, ignore_eos=True))
-    assert [c.tokens for c in spec.completions] == [c.tokens for c in plain.completions]
 
 
 def test_engine_acceptance_reports_both_modes(policy):
