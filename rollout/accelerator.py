@@ -14,6 +14,7 @@ import logging
 import math
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -32,6 +33,8 @@ from trainers.cotrainer import HeadCoTrainer, RefreshResult
 from trainers.refresh import REFRESH_POLICIES, StepObservation
 
 logger = logging.getLogger(__name__)
+
+MAX_PENDING_OBSERVATIONS = 4   # co-trainer decisions in flight before end_step skips sending more
 
 
 @dataclass(frozen=True)
@@ -164,7 +167,7 @@ class RolloutAccelerator:
         self.monitor = AcceptanceMonitor(cfg.monitor)
         self.cotrainer = None
         self._cotrainer_restarts = 0
-        self._pending: ray.ObjectRef | None = None     # the co-trainer's in-flight observe()
+        self._pending: deque[ray.ObjectRef] = deque()  # the co-trainer's in-flight observe() calls, in order
         if cfg.cotrainer.enabled:
             self.cotrainer = self._spawn_cotrainer()
         self._step_completions: list[Completion] = []
@@ -296,17 +299,25 @@ class RolloutAccelerator:
         batch_stats = RolloutBatch(comps).spec_stats()
         obs = StepObservation(step, _mean_entropy(comps), batch_stats.acceptance_rate,
                               max(c.head_version for c in comps))
-        if self.cotrainer is not None and self._pending is None:
-            self._pending = self.cotrainer.observe.remote(obs)
+        if self.cotrainer is not None:
+            if len(self._pending) < MAX_PENDING_OBSERVATIONS:
+                self._pending.append(self.cotrainer.observe.remote(obs))
+            else:   # it is still training: a late decision on old data is worth less than no backlog
+                logger.warning("end_step(%d): co-trainer is %d decisions behind; skipping this step's",
+                               step, len(self._pending))
         return rec
 
-    def shutdown(self) -> None:
-        """Close the monitor's files, stop the actors (and Ray, if this facade started it)."""
+    def shutdown(self, timeout: float = 30.0) -> None:
+        """Let a refresh in progress finish (up to `timeout` s; its heads are checkpointed and
+        logged), close the monitor's files, stop the actors (and Ray, if this facade started it)."""
+        if self.cotrainer is not None and timeout > 0:
+            self.flush(timeout)
         self.monitor.close()
         for actor in [*self.workers, self.cotrainer]:
             if actor is not None:
                 ray.kill(actor)
-        self.workers, self.cotrainer, self._pending = [], None, None
+        self.workers, self.cotrainer = [], None
+        self._pending.clear()
         if self._owns_ray:
             ray.shutdown()
 
@@ -332,30 +343,44 @@ class RolloutAccelerator:
             self.monitor.record_event(step, "head_refresh", {"head_version": version, **detail})
 
     def flush(self, timeout: float | None = None) -> bool:
-        """Wait for the co-trainer's pending decision (tests, clean shutdown); True if none is left."""
-        self._poll_cotrainer(self._step, wait=timeout)
-        return self._pending is None
+        """Wait (up to timeout s in all) for the co-trainer's pending decisions; True if none is left."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self._pending:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if not self._poll_cotrainer(self._step, wait=left):
+                break
+        return not self._pending
 
     def restart_cotrainer(self) -> None:
         """Start a new co-trainer; it resumes from the last checkpoint in cotrainer.checkpoint_dir."""
         with self._lock:
             if self.cotrainer is not None:
                 ray.kill(self.cotrainer)
-            self._pending = None
+            self._pending.clear()
             self.cotrainer = self._spawn_cotrainer()
             self.monitor.record_event(self._step, "cotrainer_restarted", {"head_version": self.head_version})
 
-    def _poll_cotrainer(self, step: int, wait: float | None) -> None:
-        if self._pending is None:
-            return
-        done, _ = ray.wait([self._pending], timeout=0 if wait is None else wait)
-        if not done:
-            return
-        ref, self._pending = self._pending, None
+    def _poll_cotrainer(self, step: int, wait: float | None) -> bool:
+        """Apply the co-trainer's finished decisions in order; wait (None: not at all) for the first.
+        False if the first is still running."""
+        first = True
+        while self._pending:
+            done, _ = ray.wait([self._pending[0]], timeout=wait if first and wait is not None else 0)
+            first = False
+            if not done:
+                return False
+            self._apply(self._pending.popleft(), step)
+        return True
+
+    def _apply(self, ref, step: int) -> None:
         try:
             result: RefreshResult = ray.get(ref)
         except RayActorError as e:
             self._cotrainer_failed(step, e)
+            return
+        except ray.exceptions.RayTaskError as e:     # a bug or bad batch in observe(): log, keep rolling out
+            logger.error("head co-trainer raised at step %d: %s", step, e)
+            self.monitor.record_event(step, "cotrainer_error", {"error": str(e)[:500]})
             return
         if result.refreshed:
             self._publish(result.weights, result.head_version, step, {
@@ -368,6 +393,7 @@ class RolloutAccelerator:
         self.monitor.record_event(step, "cotrainer_failed", {"head_version": self.head_version,
                                                              "error": str(error)[:500]})
         self.cotrainer = None
+        self._pending.clear()                      # the dead actor's other calls fail the same way
         if self._cotrainer_restarts < self.cfg.cotrainer.max_restarts:
             self._cotrainer_restarts += 1
             self.restart_cotrainer()
