@@ -288,7 +288,7 @@ class RolloutAccelerator:
         """Monitor record of this step's generate() calls; applies a finished head refresh,
         notices a dead co-trainer, and asks the co-trainer about this step (without waiting)."""
         self._step = step
-        self._poll_cotrainer(step, wait=None)
+        self._poll_cotrainer(step)
         with self._lock:
             comps, wall = self._step_completions, self._step_wall_s
             self._step_completions, self._step_wall_s = [], 0.0
@@ -346,8 +346,8 @@ class RolloutAccelerator:
         """Wait (up to timeout s in all) for the co-trainer's pending decisions; True if none is left."""
         deadline = None if timeout is None else time.monotonic() + timeout
         while self._pending:
-            left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            if not self._poll_cotrainer(self._step, wait=left):
+            left = math.inf if deadline is None else max(0.0, deadline - time.monotonic())
+            if not self._poll_cotrainer(self._step, wait=left) and left == 0.0:
                 break
         return not self._pending
 
@@ -360,12 +360,13 @@ class RolloutAccelerator:
             self.cotrainer = self._spawn_cotrainer()
             self.monitor.record_event(self._step, "cotrainer_restarted", {"head_version": self.head_version})
 
-    def _poll_cotrainer(self, step: int, wait: float | None) -> bool:
-        """Apply the co-trainer's finished decisions in order; wait (None: not at all) for the first.
-        False if the first is still running."""
+    def _poll_cotrainer(self, step: int, wait: float = 0.0) -> bool:
+        """Apply the co-trainer's finished decisions in order, waiting up to `wait` s (inf: no limit)
+        for the first of them. False if one is still running."""
         first = True
         while self._pending:
-            done, _ = ray.wait([self._pending[0]], timeout=wait if first and wait is not None else 0)
+            t = wait if first else 0.0
+            done, _ = ray.wait([self._pending[0]], timeout=None if math.isinf(t) else t)
             first = False
             if not done:
                 return False
