@@ -15,8 +15,7 @@ import math
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field
-from pathlib import Path
+from dataclasses import dataclass
 
 import numpy as np
 import ray

@@ -24,7 +24,7 @@ from mtp_heads.checkpoint import HeadMeta, load_heads, save_heads
 from mtp_heads.fused_tv import fused_linear_tv_e2e_loss, fused_linear_tv_loss
 from mtp_heads.losses import IGNORE_INDEX, draft_loss
 from rollout.models.config import ModelConfig
-from rollout.weights import FlatWeights, heads_from_flat, pack, policy_from_flat
+from rollout.weights import FlatWeights, heads_from_flat, pack, policy_from_flat, unpack
 from trainers.refresh import StepObservation, build_refresh_policy
 
 if TYPE_CHECKING:
@@ -61,7 +61,7 @@ class TeacherBatch:
 def _valid(batch: TeacherBatch, j: int, width: int) -> torch.Tensor:
     """[B, width] bool: depth-j student at position i predicts token i+j+1 of the completion
     from a real input token i+j (i+j >= prompt_len-1 and i+j < length)."""
-    pos = torch.arange(width)[None] + j
+    pos = torch.arange(width, device=batch.lengths.device)[None] + j
     return (pos >= batch.prompt_lens[:, None] - 1) & (pos < batch.lengths[:, None])
 
 
@@ -94,7 +94,7 @@ def _logit_loss(kind: str):
             t_logits.append(policy.compute_logits(hidden[:, j:j + s.shape[1]][mask]))
             nxt = torch.full_like(batch.tokens, IGNORE_INDEX)
             nxt[:, :-1] = batch.tokens[:, 1:]
-            nxt[torch.arange(nxt.shape[1])[None] >= batch.lengths[:, None] - 1] = IGNORE_INDEX
+            nxt[torch.arange(nxt.shape[1], device=nxt.device)[None] >= batch.lengths[:, None] - 1] = IGNORE_INDEX
             labels.append(nxt[:, j:j + s.shape[1]][mask])                            # token i+j+1
         return draft_loss(kind, torch.cat(s_logits), target_logits=torch.cat(t_logits),
                           labels=torch.cat(labels), temperature=temperature)
@@ -146,8 +146,6 @@ class HeadCoTrainer:
         return len(self.replay)
 
     def update_policy(self, weights: FlatWeights, version: int) -> None:
-        from rollout.weights import unpack
-
         sd = unpack(weights)
         if self.policy.config.tie_word_embeddings:
             sd.pop("lm_head.weight", None)
@@ -211,8 +209,8 @@ class HeadCoTrainer:
         tokens = torch.zeros(len(picked), T, dtype=torch.long)
         for b, (seq, _) in enumerate(picked):
             tokens[b, :len(seq)] = torch.from_numpy(seq)
-        return TeacherBatch(tokens.to(self.device), torch.tensor([len(s) for s, _ in picked]),
-                            torch.tensor([p for _, p in picked]))
+        return TeacherBatch(tokens.to(self.device), torch.tensor([len(s) for s, _ in picked], device=self.device),
+                            torch.tensor([p for _, p in picked], device=self.device))
 
     # -- outputs ----------------------------------------------------------------------------
 
