@@ -22,7 +22,7 @@ import torch
 from mtp_heads.losses import TV_EPS
 
 # Rows per chunk; chosen with experiments/bench_tv_loss.py (see experiments/LOG.md).
-DEFAULT_CHUNK_SIZE = 1024
+DEFAULT_CHUNK_SIZE = 1024   # N=8192, d=576, V=49152: 4.4% of naive memory, 0.77x its time
 
 
 def _softmax_(z: torch.Tensor, temperature: float) -> torch.Tensor:  # [c, V] logits -> probs, in place
@@ -50,7 +50,8 @@ def _chunk_tv(hs: torch.Tensor,   # [c, d] student hidden, compute dtype
         g = diff.div_(r.add_(eps))
         del r
     # dTV/dz = 0.5 * q * (g - <q, g>) ; then / T for z = W h / T.
-    g.sub_(torch.linalg.vecdot(q, g).unsqueeze(-1)).mul_(q).mul_(0.5 / temperature)
+    q_dot_g = torch.bmm(q.unsqueeze(1), g.unsqueeze(2)).view(-1, 1)   # [c, 1]; vecdot would hold q*g
+    g.sub_(q_dot_g).mul_(q).mul_(0.5 / temperature)
     return tv, torch.mm(g, w)
 
 
@@ -123,8 +124,8 @@ def _check(student_hidden, target_hidden, lm_head_weight, ndim, temperature, chu
     if lm_head_weight.requires_grad and torch.is_grad_enabled():
         raise ValueError("lm_head_weight is treated as frozen (no gradient is computed for it); "
                          "pass lm_head_weight.detach()")
-    if student_hidden.shape[0] == 0:
-        raise ValueError("no rows")
+    if student_hidden.numel() == 0:
+        raise ValueError(f"no rows: student_hidden has shape {tuple(student_hidden.shape)}")
     if not temperature > 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
     if chunk_size < 1:

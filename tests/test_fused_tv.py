@@ -96,12 +96,16 @@ class _MaxNumel(TorchDispatchMode):
     def __init__(self):
         super().__init__()
         self.max_numel = 0
+        self.big_allocs = 0     # fresh (non-view, non-in-place) outputs of >= 8 * 300 elements
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        fresh = not func._schema.is_mutable and not any(
+            a.alias_info for a in func._schema.returns if a.alias_info is not None)
         for t in out if isinstance(out, (tuple, list)) else (out,):
             if isinstance(t, torch.Tensor):
                 self.max_numel = max(self.max_numel, t.numel())
+                self.big_allocs += fresh and t.numel() >= 8 * 300
         return out
 
 
@@ -112,6 +116,7 @@ def test_never_materialises_all_rows_logits():
     with _MaxNumel() as seen:
         fused_linear_tv_loss(hs, ht, w, chunk_size=chunk).backward()
     assert seen.max_numel <= max(chunk * v, v * d) < n * v
+    assert seen.big_allocs <= 2 * (n // chunk)       # two [chunk, V] buffers per chunk, no more
     with _MaxNumel() as naive:
         _naive("tv", hs, ht, w, 1.0, TV_EPS).backward()
     assert naive.max_numel >= n * v
@@ -139,3 +144,5 @@ def test_bad_inputs_raise():
         fused_linear_tv_loss(hs[None], ht[None], w)
     with pytest.raises(ValueError, match="3 dims"):
         fused_linear_tv_e2e_loss(hs, ht, w)
+    with pytest.raises(ValueError, match="no rows"):
+        fused_linear_tv_loss(hs[:0], ht[:0], w)
