@@ -91,7 +91,7 @@ def _run_worker(args, variant: str, n: int, chunk: int) -> dict | None:
 
 def bench(args) -> None:
     print(f"d={args.d} V={args.v} float32, threads={args.threads or torch.get_num_threads()}, "
-          f"repeats={args.repeats} (median), peak = ru_maxrss delta over inputs")
+          f"repeats={args.repeats} (median, min), peak = RSS high-water mark over the inputs' RSS")
     print(f"{'N':>6} {'variant':>12} {'peak MiB':>9} {'median s':>8} {'min s':>7} {'mem f/n':>8} "
           f"{'time f/n':>9} {'min f/n':>8}")
     for n in args.n:
