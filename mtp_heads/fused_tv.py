@@ -45,7 +45,7 @@ def _chunk_tv(hs: torch.Tensor,   # [c, d] student hidden, compute dtype
         tv = 0.5 * torch.linalg.vector_norm(diff, ord=1, dim=-1)
         g = diff.sign_()
     else:
-        r = torch.sqrt(diff * diff + eps * eps)
+        r = diff.square().add_(eps * eps).sqrt_()   # one extra [c, V] buffer
         tv = 0.5 * r.sub_(eps).sum(dim=-1)          # subtract per token: no cancellation
         g = diff.div_(r.add_(eps))
         del r
