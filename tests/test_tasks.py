@@ -1,5 +1,4 @@
 """Tasks: deterministic sampling and rewards on hand-written completions."""
-import numpy as np
 import pytest
 
 from trainers.codec import ByteCodec
