@@ -45,6 +45,26 @@ class MTPHeads(nn.Module):
         self.policy_config = policy_config
         self.depths = nn.ModuleList(MTPDepth(policy_config) for _ in range(num_depths))
 
+    def set_draft_vocab(self, draft_vocab: torch.Tensor | None) -> None:
+        """Restrict drafting to these token ids (None = full vocabulary). Part of the state dict,
+        so it travels with the weights to workers, co-trainers and checkpoints."""
+        if draft_vocab is None:
+            self._buffers.pop("draft_vocab", None)
+            return
+        ids = torch.as_tensor(draft_vocab, dtype=torch.long).flatten()
+        V = self.policy_config.vocab_size
+        if ids.numel() == 0 or int(ids.min()) < 0 or int(ids.max()) >= V:
+            raise ValueError(f"draft_vocab must be a non-empty set of token ids in [0, {V}), got {ids.numel()} ids")
+        device = next(self.parameters()).device
+        self.register_buffer("draft_vocab", torch.unique(ids).to(device), persistent=True)
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        state_dict = dict(state_dict)
+        self.set_draft_vocab(state_dict.get("draft_vocab"))  # its size may differ: re-register first
+        if "draft_vocab" in state_dict:
+            state_dict["draft_vocab"] = self.draft_vocab
+        return super().load_state_dict(state_dict, strict=strict, assign=assign)
+
     @property
     def num_depths(self) -> int:
         return len(self.depths)

@@ -178,3 +178,18 @@ def test_reduced_draft_vocabulary_is_lossless_and_drafts_inside_it(tiny_policy, 
     assert torch.isinf(logits[:, 1::2]).all() and torch.isfinite(logits[:, ::2]).all()
     full = tiny_policy.compute_logits(torch.ones(1, 32))
     assert torch.allclose(tiny_heads.draft_logits(tiny_policy, torch.ones(1, 32))[:, ::2], full[:, ::2])
+
+
+def test_draft_vocabulary_travels_with_the_state_dict(tiny_policy):
+    heads = random_heads(tiny_policy, 2)
+    heads.set_draft_vocab(torch.tensor([7, 3, 3, 9]))
+    sd = heads.state_dict()
+    assert sd["draft_vocab"].tolist() == [3, 7, 9]
+    fresh = random_heads(tiny_policy, 2, seed=1)
+    fresh.load_state_dict(sd)
+    assert fresh.draft_vocab.tolist() == [3, 7, 9]
+    assert torch.equal(fresh.depths[0].eh_proj.weight, heads.depths[0].eh_proj.weight)
+    fresh.load_state_dict({k: v for k, v in sd.items() if k != "draft_vocab"})
+    assert getattr(fresh, "draft_vocab", None) is None
+    with pytest.raises(ValueError, match="draft_vocab"):
+        heads.set_draft_vocab(torch.tensor([64]))
