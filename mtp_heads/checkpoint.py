@@ -97,6 +97,7 @@ def _atomic_write(target: Path, write) -> None:
     os.close(fd)
     try:
         write(tmp)
+        os.chmod(tmp, 0o644)           # mkstemp makes 0600; caches are shared like the model files
         os.replace(tmp, target)
     except BaseException:
         if os.path.exists(tmp):
