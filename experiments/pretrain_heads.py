@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from mtp_heads.checkpoint import _atomic_write, default_heads_path, read_meta
-from mtp_heads.pretrain import (OBJECTIVES, DataConfig, PretrainPlan, TokenData, TrainConfig, chat_prompts,
+from mtp_heads.pretrain import (HEAD_INITS, OBJECTIVES, DataConfig, PretrainPlan, TokenData, TrainConfig, chat_prompts,
                                 decode_speedup, draft_cost, engine_acceptance, pretrain, teacher_forced_acceptance)
 
 
@@ -37,6 +37,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--seqs-per-step", type=int, default=t.seqs_per_step)
     ap.add_argument("--lr", type=float, default=t.lr)
     ap.add_argument("--warmup-steps", type=int, default=t.warmup_steps)
+    ap.add_argument("--init", default=t.init, choices=sorted(HEAD_INITS), help="how the heads start")
     ap.add_argument("--draft-vocab", type=int, default=t.draft_vocab_size, help="0 = full vocabulary")
     ap.add_argument("--checkpoint-every", type=int, default=t.checkpoint_every)
     ap.add_argument("--num-sequences", type=int, default=d.num_sequences)
@@ -63,7 +64,7 @@ def plan_from_args(a: argparse.Namespace) -> PretrainPlan:
                       max_new_tokens=a.max_new_tokens, gen_batch_size=a.gen_batch, temperature=a.temperature,
                       seed=a.seed)
     train = TrainConfig(num_depths=a.depths, loss=a.loss, steps=a.steps, seqs_per_step=a.seqs_per_step, lr=a.lr,
-                        warmup_steps=a.warmup_steps, temperature=a.temperature, draft_vocab_size=a.draft_vocab,
+                        warmup_steps=a.warmup_steps, init=a.init, temperature=a.temperature, draft_vocab_size=a.draft_vocab,
                         checkpoint_every=a.checkpoint_every, seed=a.seed)
     return PretrainPlan(model=a.model, data=data, train=train)
 

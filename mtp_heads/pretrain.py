@@ -122,6 +122,7 @@ class TrainConfig:
     grad_clip: float = 1.0
     temperature: float = 1.0            # of the teacher and the student
     draft_vocab_size: int = 4096        # 0 = full vocabulary (~12x the LM-head cost per step and per draft)
+    init: str = "last_layer"            # a key of HEAD_INITS
     checkpoint_every: int = 40          # 0 = only at the end
     seed: int = 0
 
@@ -132,8 +133,40 @@ class TrainConfig:
             raise ValueError(f"num_depths must be >= 1, got {self.num_depths}")
         if self.steps < 0 or self.seqs_per_step < 1:
             raise ValueError(f"need steps >= 0 and seqs_per_step >= 1, got {self.steps}, {self.seqs_per_step}")
+        if self.init not in HEAD_INITS:
+            raise ValueError(f"unknown head init {self.init!r}; choose one of {sorted(HEAD_INITS)}")
         if self.draft_vocab_size < 0:
             raise ValueError(f"draft_vocab_size must be >= 0 (0 = full vocabulary), got {self.draft_vocab_size}")
+
+
+# ----------------------------------------------------------------------------------- head initialisation
+
+
+def _last_layer_init(policy: CausalLM, num_depths: int, seed: int, data: "TokenData") -> MTPHeads:
+    return init_heads(policy, num_depths, seed=seed)
+
+
+def _identity_init(policy: CausalLM, num_depths: int, seed: int, data: "TokenData") -> MTPHeads:
+    """Each depth starts as (almost) the identity on h, so q_j starts at the policy's own p_i
+    instead of a confidently wrong distribution: block residual branches zeroed (o_proj,
+    down_proj), eh_proj = [0 | I], and the output norm rescaled to the hidden states' median RMS."""
+    heads = init_heads(policy, num_depths, seed=seed)
+    rms = float(np.median(np.sqrt((data.hidden[data.hidden.any(1)] ** 2).mean(1)))) if len(data) else 1.0
+    d = policy.config.hidden_size
+    with torch.no_grad():
+        for depth in heads.depths:
+            depth.block.self_attn.o_proj.weight.zero_()
+            depth.block.mlp.down_proj.weight.zero_()
+            depth.eh_proj.weight.copy_(torch.cat([torch.zeros(d, d), torch.eye(d)], dim=1))
+            depth.hnorm.weight.fill_(1.0)
+            depth.norm.weight.fill_(rms)
+    return heads
+
+
+HEAD_INITS: dict[str, Callable[[CausalLM, int, int, "TokenData"], MTPHeads]] = {
+    "last_layer": _last_layer_init,      # heads.init_heads: a copy of the policy's last layer
+    "identity": _identity_init,
+}
 
 
 # ----------------------------------------------------------------------------------- data
@@ -467,7 +500,7 @@ def train_heads(policy: CausalLM, data: TokenData, cfg: TrainConfig, *, draft_vo
         start = meta.steps
         draft_vocab = draft_vocab_of(heads)
     else:
-        heads = init_heads(policy, cfg.num_depths, seed=cfg.seed)
+        heads = HEAD_INITS[cfg.init](policy, cfg.num_depths, cfg.seed, data)
         set_draft_vocab(heads, draft_vocab)
     heads = heads.to(device=p.device, dtype=torch.float32).train()
     for prm in heads.parameters():

@@ -166,3 +166,17 @@ def test_cli_flags_map_onto_the_plan():
     assert (plan.data.num_sequences, plan.data.max_new_tokens, plan.data.seed, plan.train.seed) == (9, 33, 4, 4)
     with pytest.raises(SystemExit):
         parse_args(["--loss", "mse"])
+
+
+def test_identity_init_drafts_the_policys_own_next_token_distribution(policy, data):
+    from mtp_heads.pretrain import HEAD_INITS, make_batch
+    heads = HEAD_INITS["identity"](policy, 2, 0, data)
+    batch = make_batch(data, [0, 1], "cpu")
+    outs = heads.teacher_forced(policy, batch.hidden, batch.tokens)
+    h = batch.hidden[:, :outs[0].shape[1]]
+    scale = heads.depths[0].norm.weight[0]
+    expected = scale * h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + policy.config.rms_norm_eps)
+    n = int(batch.lengths.min()) - 2
+    torch.testing.assert_close(outs[0][:, :n], expected[:, :n], atol=1e-4, rtol=1e-4)
+    with pytest.raises(ValueError, match="unknown head init"):
+        TrainConfig(init="zeros")
