@@ -52,6 +52,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                     help="of the torch engine and the teacher-forced pass")
     ap.add_argument("--gpu-mem-util", type=float, default=0.3, help="vLLM gpu_memory_utilization (GPU only)")
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch threads (DESIGN.md: more threads than free cores make OMP spin; 2 on 2 shared "
+                         "cores measured 0.16 tok/s)")
     ap.add_argument("--json", default=None, help="also write the results here")
     return ap.parse_args(argv)
 
@@ -83,7 +86,7 @@ def _fmt(s: SpecDecodingStats) -> str:
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
-    torch.set_num_threads(2)
+    torch.set_num_threads(args.threads)
     policy, loaded = load_policy(args.model, "float32")
     heads, heads_desc = resolve_heads(policy, args.model, args.heads, args.num_depths)
     policy, heads = policy.to(args.device), heads.to(args.device)

@@ -144,6 +144,14 @@ def test_rejection_mode_with_draft_vocab_matches_torch(engine, policy, good_head
     greedy_t, greedy_v = ref.generate(prompts, _sp(0.0, "rejection")), engine.generate(prompts, _sp(0.0, "rejection"))
     assert [c.tokens for c in greedy_v.completions] == [c.tokens for c in greedy_t.completions]
     assert [c.round_accepted for c in greedy_v.completions] == [c.round_accepted for c in greedy_t.completions]
+    # a stop token ends the completion as in the torch engine (stop token included, finish_reason "stop")
+    stop = greedy_t.completions[0].tokens[len(greedy_t.completions[0].tokens) // 2]
+    stop_sp = SamplingParams(max_new_tokens=20, temperature=0.0, num_draft_tokens=K, draft_mode="rejection",
+                             stop_token_ids=(stop,))
+    stopped_t, stopped_v = ref.generate(prompts, stop_sp), engine.generate(prompts, stop_sp)
+    assert [(c.tokens, c.finish_reason) for c in stopped_v.completions] == \
+        [(c.tokens, c.finish_reason) for c in stopped_t.completions]
+    assert stopped_v.completions[0].finish_reason == "stop" and stopped_v.completions[0].tokens[-1] == stop
     ours = ref.generate(prompts, _sp(1.0, "rejection", 40, seed=2))
     theirs = engine.generate(prompts, _sp(1.0, "rejection", 40, seed=2))
     _assert_same_acceptance(_per_round(theirs), _per_round(ours), K)
