@@ -427,4 +427,4 @@ class VLLMEngine:
 
 
 __all__ = ["ANALYSES", "DRAFT_SAMPLE_METHODS", "VLLMEngine", "VLLMEngineConfig", "VLLM_FIX", "draft_entropies",
-           "require_vllm"]
+           "fix_cpu_expand_kernel", "require_vllm"]
