@@ -110,7 +110,7 @@ class MtpRolloutDrafter(nn.Module):
         self.model = _Body(vllm_config, config, f"{prefix}.model" if prefix else "model", target_layers)
         self.logits_processor = LogitsProcessor(config.vocab_size)
         # reduced draft vocabulary (EAGLE-3 style): token ids [N]; q = 0 elsewhere. A plain attribute,
-        # not a buffer, so that in-place weight reloads leave it alone; fixed for the engine's lifetime.
+        # not a buffer, so vLLM's layerwise reload leaves it alone; set by load_weights (also on refresh).
         self.draft_vocab: torch.Tensor | None = None
         self._draft_bias: torch.Tensor | None = None
         # lm_head and model.embed_tokens are the target's, installed by the proposer's load_model
@@ -143,8 +143,9 @@ class MtpRolloutDrafter(nn.Module):
         params = dict(self.named_parameters())
         loaded: set[str] = set()
         for name, tensor in weights:
-            if name == DRAFT_VOCAB:
-                self.draft_vocab, self._draft_bias = tensor.to(torch.long).flatten().cpu(), None
+            if name == DRAFT_VOCAB:   # empty = full vocabulary (a refresh may clear it)
+                ids = tensor.to(torch.long).flatten().cpu()
+                self.draft_vocab, self._draft_bias = (ids if ids.numel() else None), None
                 continue
             name = name.removeprefix("model.")
             if not name.startswith("depths.0."):

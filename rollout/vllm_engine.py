@@ -41,6 +41,7 @@ from mtp_heads.heads import MTPHeads
 from rollout.models.decoder import CausalLM
 from rollout.types import Completion, RolloutBatch, SamplingParams, SpecDecodingStats
 from rollout.verify import entropy, process_logits
+from rollout.vllm_drafter import DRAFT_VOCAB
 
 logger = logging.getLogger(__name__)
 
@@ -388,8 +389,9 @@ class VLLMEngine:
         if self.heads is None:
             raise ValueError("this engine has no heads to update; construct it with heads first")
         sd = {k: torch.as_tensor(v) for k, v in state_dict.items()}
-        wrong = {k: (tuple(v.shape), tuple(self.heads.state_dict()[k].shape)) for k, v in sd.items()
-                 if k in self.heads.state_dict() and v.shape != self.heads.state_dict()[k].shape}
+        own = self.heads.state_dict()
+        wrong = {k: (tuple(v.shape), tuple(own[k].shape)) for k, v in sd.items()
+                 if k in own and k != DRAFT_VOCAB and v.shape != own[k].shape}
         if wrong:
             raise ValueError(f"head weights do not fit this policy (name: given shape, expected): "
                              f"{dict(list(wrong.items())[:3])}; train or load heads for this policy")
@@ -403,6 +405,8 @@ class VLLMEngine:
 
             dtype = getattr(torch, self.config.dtype)
             weights = [(n, t.to(dtype)) for n, t in drafter_state_dict(self.heads).items()]
+            vocab = getattr(self.heads, DRAFT_VOCAB, None)      # MTPHeads.load_state_dict may change it
+            weights.append((DRAFT_VOCAB, torch.zeros(0, dtype=torch.long) if vocab is None else vocab.cpu()))
             self._llm.collective_rpc(_reload_drafter, args=(weights,))
             self._llm.reset_prefix_cache()   # cached blocks hold drafter KV of the old heads
 

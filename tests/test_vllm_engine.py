@@ -158,6 +158,12 @@ def test_rejection_mode_with_draft_vocab_matches_torch(engine, policy, good_head
     assert engine.last_stats.num_drafts == len(_per_round(theirs))
     drafted = [t for c in theirs.completions for t in c.tokens]
     assert any(t % 2 for t in drafted)            # outputs are not limited to the draft vocabulary
+    # a refresh carries the draft vocabulary (part of MTPHeads' state dict): clearing it must reach vLLM
+    engine.update_heads(good_heads.state_dict(), version=7)
+    cleared_t = TorchEngine(policy, good_heads).generate(prompts, _sp(0.0, "rejection"))
+    cleared_v = engine.generate(prompts, _sp(0.0, "rejection"))
+    assert [c.round_accepted for c in cleared_v.completions] == [c.round_accepted for c in cleared_t.completions]
+    assert engine.num_starts == 1
     engine.close()
 
 
