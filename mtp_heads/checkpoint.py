@@ -6,8 +6,7 @@ refuses a mismatch with the command that fixes it. The header lives in the safet
 metadata (authoritative) and in a sidecar ``<name>.json`` for people and shell tools.
 
 A checkpoint may also hold ``draft_vocab`` [N] int64: the token ids the heads may propose
-(q = 0 elsewhere, EAGLE-3's reduced draft vocabulary). It is attached to the loaded heads as
-a non-persistent buffer, so ``heads.state_dict()`` keeps the names every engine expects.
+(q = 0 elsewhere, EAGLE-3's reduced draft vocabulary), the heads' own state-dict buffer.
 
 Writes are atomic: each file goes to a temporary name in the same directory and is moved into
 place with os.replace, weights first, so a crash leaves the previous checkpoint readable.
@@ -74,19 +73,8 @@ def draft_vocab_of(heads: MTPHeads) -> torch.Tensor | None:
 
 
 def set_draft_vocab(heads: MTPHeads, draft_vocab: torch.Tensor | None) -> MTPHeads:
-    """Attach (or clear with None) a draft vocabulary; validated against the policy's vocabulary."""
-    if draft_vocab is None:
-        if DRAFT_VOCAB_KEY in heads._buffers:
-            del heads._buffers[DRAFT_VOCAB_KEY]
-        return heads
-    ids = torch.as_tensor(draft_vocab, dtype=torch.long).flatten()
-    V = heads.policy_config.vocab_size
-    if ids.numel() == 0 or int(ids.min()) < 0 or int(ids.max()) >= V:
-        raise ValueError(f"draft_vocab must be non-empty token ids in [0, {V}), got {ids.numel()} ids "
-                         f"in [{int(ids.min()) if ids.numel() else '-'}, {int(ids.max()) if ids.numel() else '-'}]")
-    ids = torch.unique(ids)          # sorted, no duplicates
-    device = next(heads.parameters()).device
-    heads.register_buffer(DRAFT_VOCAB_KEY, ids.to(device), persistent=False)
+    """Attach (or clear with None) a draft vocabulary (MTPHeads.set_draft_vocab); returns the heads."""
+    heads.set_draft_vocab(draft_vocab)
     return heads
 
 

@@ -27,7 +27,7 @@ def test_round_trip_weights_meta_and_draft_vocab(tmp_path, tiny_policy, tiny_hea
     sd0, sd1 = tiny_heads.state_dict(), heads.state_dict()
     assert sd0.keys() == sd1.keys() and all(torch.equal(sd0[k], sd1[k]) for k in sd0)
     assert draft_vocab_of(heads).tolist() == [3, 5, 9]              # sorted, unique
-    assert "draft_vocab" not in heads.state_dict()                    # engines see the usual names
+    assert torch.equal(heads.state_dict()["draft_vocab"], torch.tensor([3, 5, 9]))   # travels with the weights
     side = json.loads(sidecar_path(path).read_text())
     assert side["policy_fingerprint"] == meta.policy_fingerprint and side["steps"] == 7
     assert read_meta(path) == meta
@@ -98,7 +98,7 @@ def test_missing_or_foreign_file(tmp_path, tiny_policy):
 
 
 def test_draft_vocab_validation(tiny_heads):
-    with pytest.raises(ValueError, match=r"draft_vocab must be .* in \[0, 64\)"):
+    with pytest.raises(ValueError, match=r"draft_vocab must be .*in \[0, 64\)"):
         set_draft_vocab(tiny_heads, torch.tensor([1, 64]))
     set_draft_vocab(tiny_heads, torch.tensor([1, 2]))
     set_draft_vocab(tiny_heads, None)
