@@ -64,7 +64,8 @@ def plan_from_args(a: argparse.Namespace) -> PretrainPlan:
                       max_new_tokens=a.max_new_tokens, gen_batch_size=a.gen_batch, temperature=a.temperature,
                       seed=a.seed)
     train = TrainConfig(num_depths=a.depths, loss=a.loss, steps=a.steps, seqs_per_step=a.seqs_per_step, lr=a.lr,
-                        warmup_steps=a.warmup_steps, init=a.init, temperature=a.temperature, draft_vocab_size=a.draft_vocab,
+                        warmup_steps=a.warmup_steps, init=a.init, temperature=a.temperature,
+                        draft_vocab_size=a.draft_vocab,
                         checkpoint_every=a.checkpoint_every, seed=a.seed)
     return PretrainPlan(model=a.model, data=data, train=train)
 
@@ -102,7 +103,8 @@ def main(argv: list[str] | None = None) -> dict:
         report["train_rows_per_s"] = result.rows_per_s
     report["train"] = {"steps": meta.steps, "train_tokens": train.num_completion_tokens(),
                        "eval_tokens": held.num_completion_tokens(), "draft_vocab_size": meta.draft_vocab_size,
-                       "seconds_total": time.perf_counter() - t0, "seconds_data_and_train": time.perf_counter() - t_train}
+                       "seconds_total": time.perf_counter() - t0,
+                       "seconds_data_and_train": time.perf_counter() - t_train}
     report["teacher_forced"] = teacher_forced_acceptance(policy, heads, held, plan.train.temperature)
     if a.train_eval_sequences:
         subset = TokenData.concat([_one(train, i) for i in range(min(a.train_eval_sequences, len(train)))])
@@ -133,8 +135,9 @@ def _one(data: TokenData, i: int) -> TokenData:
 
 
 def summary(report: dict) -> str:
-    lines = [f"loss={report['plan']['train']['loss']} steps={report['train']['steps']} "
-             f"train_tokens={report['train']['train_tokens']} draft_vocab={report['train']['draft_vocab_size'] or 'full'}"]
+    t = report["train"]
+    lines = [f"loss={report['plan']['train']['loss']} steps={t['steps']} train_tokens={t['train_tokens']} "
+             f"draft_vocab={t['draft_vocab_size'] or 'full'}"]
     for d in report["teacher_forced"]:
         lines.append(f"  depth {d['depth']}: teacher-forced acceptance rejection={d['rejection']:.3f} "
                      f"greedy={d['greedy']:.3f} ({d['rows']} held-out rows)")
@@ -143,17 +146,17 @@ def summary(report: dict) -> str:
                      f"greedy={d['greedy']:.3f} ({d['rows']} rows)")
     for mode, r in report.get("engine", {}).items():
         cond = " ".join(f"{c:.3f}" for c in r["conditional_acceptance"])
-        lines.append(f"  engine {mode:9s}: acceptance rate {r['acceptance_rate']:.3f}, length {r['acceptance_length']:.2f}, "
-                     f"per position [{cond}]")
+        lines.append(f"  engine {mode:9s}: acceptance rate {r['acceptance_rate']:.3f}, "
+                     f"length {r['acceptance_length']:.2f}, per position [{cond}]")
     if "speedup" in report:
         s = report["speedup"]
         lines.append(f"  batch-1 decode: {s['plain_tokens_per_s']:.2f} -> {s['spec_tokens_per_s']:.2f} tok/s "
                      f"({s['speedup']:.2f}x, k={s['k']}, {s['draft_mode']})")
     if "draft_cost_ms" in report:
         c = report["draft_cost_ms"]
-        lines.append(f"  batch-1 ms: target 1 tok {c['target_1']:.1f}, target k+1 tok {c['target_k1']:.1f}, head block "
-                     f"{c['head_block']:.1f}, LM head full {c['lm_head_full']:.1f}, draft vocab ({c['draft_vocab_size']}) "
-                     f"{c['lm_head_draft']:.1f}")
+        lines.append(f"  batch-1 ms: target 1 tok {c['target_1']:.1f}, target k+1 tok {c['target_k1']:.1f}, "
+                     f"head block {c['head_block']:.1f}, LM head full {c['lm_head_full']:.1f}, "
+                     f"draft vocab ({c['draft_vocab_size']}) {c['lm_head_draft']:.1f}")
     return "\n".join(lines)
 
 

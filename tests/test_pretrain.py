@@ -180,3 +180,19 @@ def test_identity_init_drafts_the_policys_own_next_token_distribution(policy, da
     torch.testing.assert_close(outs[0][:, :n], expected[:, :n], atol=1e-4, rtol=1e-4)
     with pytest.raises(ValueError, match="unknown head init"):
         TrainConfig(init="zeros")
+
+
+def test_cli_summary_lists_every_measurement():
+    from experiments.pretrain_heads import summary
+    eng = {"acceptance_rate": 0.5, "acceptance_length": 2.0, "conditional_acceptance": [0.6, 0.5, 0.4]}
+    report = {"plan": {"train": {"loss": "tv"}}, "train": {"steps": 3, "train_tokens": 10, "draft_vocab_size": 0},
+              "teacher_forced": [{"depth": 1, "rejection": 0.7, "greedy": 0.6, "rows": 5}],
+              "teacher_forced_train": [{"depth": 1, "rejection": 0.8, "greedy": 0.7, "rows": 5}],
+              "engine": {"greedy": eng, "rejection": eng},
+              "speedup": {"plain_tokens_per_s": 1.0, "spec_tokens_per_s": 1.5, "speedup": 1.5, "k": 3,
+                          "draft_mode": "rejection"},
+              "draft_cost_ms": {"target_1": 1.0, "target_k1": 1.2, "head_block": 0.1, "lm_head_full": 0.3,
+                                "lm_head_draft": 0.05, "draft_vocab_size": 49152}}
+    text = summary(report)
+    assert "draft_vocab=full" in text and "rejection=0.700" in text and "on training sequences rejection=0.800" in text
+    assert "length 2.00" in text and "(1.50x, k=3, rejection)" in text and "draft vocab (49152) 0.1" in text
