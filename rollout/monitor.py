@@ -571,7 +571,7 @@ class AcceptanceMonitor:
 
     def record_step(self, step: int, batch: RolloutBatch, *, tokens_per_s: float | None = None,
                     staleness: int | None = None, extra: dict | None = None) -> dict:
-        """Compute, log and return the record of one RL step (see README_monitor.md for keys)."""
+        """Compute, log and return the record of one RL step (keys: README, "Acceptance monitor")."""
         self._check_open()
         if step < 0:
             raise ValueError(f"step must be >= 0, got {step}")
