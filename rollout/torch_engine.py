@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from mtp_heads.heads import MTPHeads
 from rollout.models.decoder import CausalLM
-from rollout.types import Completion, RolloutBatch, SamplingParams
+from rollout.types import Completion, RolloutBatch, SamplingParams, validate_request
 from rollout.verify import entropy, process_logits, rejection_sample, sample
 
 
@@ -79,22 +79,9 @@ class TorchEngine:
 
     # ----------------------------------------------------------------- checks
     def _validate(self, prompts: list[list[int]], sp: SamplingParams) -> None:
-        sp.validate()
         cfg = self.policy.config
-        if not prompts:
-            raise ValueError("prompts is empty: pass at least one prompt (a list of token ids)")
-        for i, prompt in enumerate(prompts):
-            if len(prompt) == 0:
-                raise ValueError(f"prompt {i} is empty: every prompt needs at least one token")
-            bad = [t for t in prompt if not (0 <= int(t) < cfg.vocab_size)]
-            if bad:
-                raise ValueError(f"prompt {i} has token ids outside the vocabulary [0, {cfg.vocab_size}): {bad[:5]}")
-            if len(prompt) + sp.max_new_tokens > cfg.max_position_embeddings:
-                raise ValueError(
-                    f"prompt {i} ({len(prompt)} tokens) + max_new_tokens ({sp.max_new_tokens}) exceeds the "
-                    f"context length {cfg.max_position_embeddings}")
-        if sp.num_draft_tokens > 0 and self.heads is None:
-            raise ValueError("num_draft_tokens > 0 needs MTP heads: pass heads= to the engine")
+        validate_request(prompts, sp, vocab_size=cfg.vocab_size, context_length=cfg.max_position_embeddings,
+                         has_heads=self.heads is not None)
 
     # ----------------------------------------------------------------- decoding
     @torch.inference_mode()

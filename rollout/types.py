@@ -38,6 +38,25 @@ class SamplingParams:
             raise ValueError(f"draft_mode must be one of {DRAFT_MODES}, got {self.draft_mode!r}")
 
 
+def validate_request(prompts: list[list[int]], sp: SamplingParams, *, vocab_size: int, context_length: int,
+                     has_heads: bool) -> None:
+    """The checks every engine runs before any work, with errors that name the problem."""
+    sp.validate()
+    if not prompts:
+        raise ValueError("prompts is empty: pass at least one prompt (a list of token ids)")
+    for i, prompt in enumerate(prompts):
+        if len(prompt) == 0:
+            raise ValueError(f"prompt {i} is empty: every prompt needs at least one token")
+        bad = [t for t in prompt if not (0 <= int(t) < vocab_size)]
+        if bad:
+            raise ValueError(f"prompt {i} has token ids outside the vocabulary [0, {vocab_size}): {bad[:5]}")
+        if len(prompt) + sp.max_new_tokens > context_length:
+            raise ValueError(f"prompt {i} ({len(prompt)} tokens) + max_new_tokens ({sp.max_new_tokens}) "
+                             f"exceeds the context length {context_length}")
+    if sp.num_draft_tokens > 0 and not has_heads:
+        raise ValueError("num_draft_tokens > 0 needs MTP heads: pass heads= to the engine")
+
+
 @dataclass
 class Completion:
     """One generated continuation and everything RL and the monitor need about it."""

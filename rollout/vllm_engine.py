@@ -39,7 +39,7 @@ import torch
 
 from mtp_heads.heads import MTPHeads
 from rollout.models.decoder import CausalLM
-from rollout.types import Completion, RolloutBatch, SamplingParams, SpecDecodingStats
+from rollout.types import Completion, RolloutBatch, SamplingParams, SpecDecodingStats, validate_request
 from rollout.verify import entropy, process_logits
 from rollout.vllm_drafter import DRAFT_VOCAB
 
@@ -283,21 +283,8 @@ class VLLMEngine:
                            heads.num_depths, heads.num_depths)
 
     def _validate(self, prompts: list[list[int]], sp: SamplingParams) -> None:
-        sp.validate()
-        cfg = self.policy.config
-        if not prompts:
-            raise ValueError("prompts is empty: pass at least one prompt (a list of token ids)")
-        for i, prompt in enumerate(prompts):
-            if len(prompt) == 0:
-                raise ValueError(f"prompt {i} is empty: every prompt needs at least one token")
-            bad = [t for t in prompt if not (0 <= int(t) < cfg.vocab_size)]
-            if bad:
-                raise ValueError(f"prompt {i} has token ids outside the vocabulary [0, {cfg.vocab_size}): {bad[:5]}")
-            if len(prompt) + sp.max_new_tokens > self._max_model_len:
-                raise ValueError(f"prompt {i} ({len(prompt)} tokens) + max_new_tokens ({sp.max_new_tokens}) "
-                                 f"exceeds the context length {self._max_model_len}")
-        if sp.num_draft_tokens > 0 and self.heads is None:
-            raise ValueError("num_draft_tokens > 0 needs MTP heads: pass heads= to the engine")
+        validate_request(prompts, sp, vocab_size=self.policy.config.vocab_size, context_length=self._max_model_len,
+                         has_heads=self.heads is not None)
 
     @property
     def _max_model_len(self) -> int:
