@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from mtp_heads.heads import MTPHeads
-from rollout.models.decoder import CausalLM
+from rollout.models.decoder import CausalLM, KVCache
 from rollout.types import Completion, RolloutBatch, SamplingParams, validate_request
 from rollout.verify import entropy, process_logits, rejection_sample, sample
 
@@ -39,6 +39,16 @@ class _DecodeState:
     token_entropy: torch.Tensor  # [B, L] H(processed p) each emitted token came from
     finished: torch.Tensor       # [B] bool
     stopped: torch.Tensor        # [B] bool, finished on a stop token
+
+
+@dataclass
+class _Caches:
+    """The target's KV cache and, when drafting, each head depth's cache, valid length and outputs."""
+
+    target: KVCache
+    heads: list[KVCache]             # one per depth
+    head_len: list[torch.Tensor]     # [B] per depth: entries valid for positions < head_len
+    head_hidden: list[torch.Tensor]  # [B, L, d] per depth: the depth's output at each position
 
 
 class TorchEngine:
@@ -144,27 +154,26 @@ class TorchEngine:
         )
         self._commit(state, first[:, None], torch.zeros(B, dtype=torch.long, device=dev),
                      last_logits[:, None], probs[:, None], sp)
-        head_caches = head_len = None
+        caches = _Caches(cache, [], [], [])
         if k > 0:
-            head_caches = self.heads.new_caches(B, max_len, dtype, dev)
-            head_len = [torch.zeros(B, dtype=torch.long, device=dev) for _ in range(self.heads.num_depths)]
-        return state, (cache, head_caches, head_len, [torch.zeros_like(hidden) for _ in range(
-            self.heads.num_depths if k > 0 else 0)])
+            caches.heads = self.heads.new_caches(B, max_len, dtype, dev)
+            caches.head_len = [torch.zeros(B, dtype=torch.long, device=dev) for _ in caches.heads]
+            caches.head_hidden = [torch.zeros_like(hidden) for _ in caches.heads]
+        return state, caches
 
-    def _round(self, state: _DecodeState, caches, sp: SamplingParams, gen):
+    def _round(self, state: _DecodeState, caches: _Caches, sp: SamplingParams, gen):
         """draft -> verify -> accept -> commit, for every unfinished row at once."""
-        cache, head_caches, head_len, head_hidden = caches
         k, B = sp.num_draft_tokens, state.seq.shape[0]
         active = ~state.finished
         c = state.committed
         if k > 0:
-            drafts, draft_probs = self._draft(state, head_caches, head_len, head_hidden, sp, gen)
+            drafts, draft_probs = self._draft(state, caches, sp, gen)
         else:
             drafts = torch.zeros(B, 0, dtype=torch.long, device=c.device)
             draft_probs = None
         # verify: the pending token and the k drafts in one target forward at positions c-1 .. c-1+k
         verify_tokens = torch.cat([state.seq.gather(1, (c - 1)[:, None]), drafts], dim=1)   # [B, k+1]
-        hidden = self.policy.hidden_states(verify_tokens, cache, c - 1)                       # [B, k+1, d]
+        hidden = self.policy.hidden_states(verify_tokens, caches.target, c - 1)                       # [B, k+1, d]
         positions = (c - 1)[:, None] + torch.arange(k + 1, device=c.device)
         state.hidden[torch.arange(B, device=c.device)[:, None], positions] = hidden
         logits = self.policy.compute_logits(hidden)                                          # [B, k+1, V]
@@ -176,8 +185,9 @@ class TorchEngine:
         self._commit(state, output, num_accepted, logits, target_probs, sp)
         return num_accepted, draft_entropy, active
 
-    def _draft(self, state: _DecodeState, head_caches, head_len, head_hidden, sp: SamplingParams, gen):
+    def _draft(self, state: _DecodeState, caches: _Caches, sp: SamplingParams, gen):
         """k draft tokens per row from the heads; drafts are also written to seq[c .. c+k-1]."""
+        head_caches, head_len, head_hidden = caches.heads, caches.head_len, caches.head_hidden
         heads, policy = self.heads, self.policy
         k, D = sp.num_draft_tokens, heads.num_depths
         c = state.committed

@@ -96,7 +96,7 @@ def test_cache_after_rejection_equals_fresh_prefill(tiny_policy):
     for _ in range(6):
         n, _, _ = engine._round(state, caches, sp, gen)
         rejections += int((n < 3).sum())
-        cache = caches[0]
+        cache = caches.target
         c = state.committed
         pending = state.seq.gather(1, (c - 1)[:, None])
         cached_logits = tiny_policy(pending, cache, c - 1)[:, 0]
