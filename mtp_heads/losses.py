@@ -103,21 +103,20 @@ def _ce(student_logits, target_logits, labels, temperature, top_k, eps):
     return F.nll_loss(logq, labels, ignore_index=IGNORE_INDEX)
 
 
+def _kl(log_a: torch.Tensor, log_b: torch.Tensor) -> torch.Tensor:
+    """Mean over rows of KL(a||b); tokens with a == 0 contribute 0 (not 0 * -inf)."""
+    a = log_a.exp()
+    return torch.where(a > 0, a * (log_a - log_b), torch.zeros_like(a)).sum(dim=-1).mean()
+
+
 def _fkl(student_logits, target_logits, labels, temperature, top_k, eps):
-    logp = _log_probs(target_logits.detach(), temperature)
-    logq = _log_probs(student_logits, temperature)
-    p = logp.exp()
-    # KL(p||q) = H(p, q) - H(p); tokens with p == 0 contribute 0 (not 0 * -inf).
-    terms = torch.where(p > 0, p * (logp - logq), torch.zeros_like(p))
-    return terms.sum(dim=-1).mean()
+    """KL(p||q) = H(p, q) - H(p)."""
+    return _kl(_log_probs(target_logits.detach(), temperature), _log_probs(student_logits, temperature))
 
 
 def _rkl(student_logits, target_logits, labels, temperature, top_k, eps):
-    logp = _log_probs(target_logits.detach(), temperature)
-    logq = _log_probs(student_logits, temperature)
-    q = logq.exp()
-    terms = torch.where(q > 0, q * (logq - logp), torch.zeros_like(q))
-    return terms.sum(dim=-1).mean()
+    """KL(q||p)."""
+    return _kl(_log_probs(student_logits, temperature), _log_probs(target_logits.detach(), temperature))
 
 
 def _tv(student_logits, target_logits, labels, temperature, top_k, eps):
