@@ -6,7 +6,6 @@ from mtp_heads.heads import MTPHeads, init_heads
 from rollout.models.config import ModelConfig
 from rollout.models.decoder import random_model
 
-torch.set_num_threads(1)  # tiny models: one thread is fastest, and Ray actors share the 2 cores
 
 
 def tiny_config(vocab_size: int = 64, **overrides) -> ModelConfig:
@@ -31,3 +30,13 @@ def tiny_heads(tiny_policy):
 def random_heads(policy, num_depths: int, seed: int = 0) -> MTPHeads:
     torch.manual_seed(seed)
     return MTPHeads(policy.config, num_depths)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny models gain nothing from a second thread, and on 2 shared cores OpenMP barrier waits
+    made them ~40x slower; the previous count is restored for modules that change it."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

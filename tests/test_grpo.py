@@ -15,15 +15,6 @@ from trainers.grpo import (GRPOConfig, GRPOTrainer, Prefetcher, ScheduleConfig, 
                            grpo_token_loss, pack, token_logprobs)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models gain nothing from threads, and 2 threads on 2 shared cores ran them ~40x slower."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 @pytest.fixture
 def policy():
     return random_model(tiny_config(vocab_size=64), seed=1)

@@ -136,15 +136,6 @@ def quant_roundtrip(t: torch.Tensor, qtype: Q) -> torch.Tensor:
     return torch.from_numpy(np.asarray(gguf.quants.dequantize(q, qtype), dtype=np.float32).reshape(t.shape))
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny matmuls: a second OpenMP thread only adds waiting on a shared 2-core machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 TOKENS_IN = torch.tensor([[1, 5, 60, 200, 7, 263, 99, 2], [3, 4, 5, 6, 7, 8, 9, 10]])
 
 

@@ -14,15 +14,6 @@ from rollout.types import SamplingParams
 DATA = DataConfig(max_new_tokens=20, gen_batch_size=16)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models: one thread avoids OpenMP barrier stalls when the 2 cores are shared."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def _prompts(n, seed):
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(2, 64, (int(torch.randint(3, 9, (1,), generator=g)),), generator=g).tolist()
