@@ -3,8 +3,9 @@ import pytest
 import torch
 from scipy.stats import chi2_contingency
 
-import rollout.torch_engine as torch_engine_module
+import rollout.engine.round as round_module
 from mtp_heads.heads import MTPHeads
+from rollout.engine.round import run_round
 from rollout.models.decoder import random_model
 from rollout.torch_engine import TorchEngine
 from rollout.types import SamplingParams
@@ -90,13 +91,12 @@ def test_cache_after_rejection_equals_fresh_prefill(tiny_policy):
     """Rewinding is a length change: after each round the cache must reproduce a fresh prefill."""
     engine = TorchEngine(tiny_policy, random_heads(tiny_policy, 2))
     sp = SamplingParams(max_new_tokens=24, temperature=1.0, num_draft_tokens=3, seed=0, ignore_eos=True)
-    gen = torch.Generator().manual_seed(0)
-    state, caches = engine._prefill(PROMPTS, sp, gen)
+    ctx, state, _ = engine._prefill(PROMPTS, sp)
     rejections = 0
     for _ in range(6):
-        n, _, _ = engine._round(state, caches, sp, gen)
-        rejections += int((n < 3).sum())
-        cache = caches.target
+        n = run_round(ctx, state, 3).num_accepted
+        rejections += int((n[:len(PROMPTS)] < 3).sum())
+        cache = state.target
         c = state.committed
         pending = state.seq.gather(1, (c - 1)[:, None])
         cached_logits = tiny_policy(pending, cache, c - 1)[:, 0]
@@ -131,7 +131,7 @@ def test_sequence_distribution_unchanged_by_drafts(mode, monkeypatch):
                              num_draft_tokens=2, draft_mode=mode)
     spec = _continuation_counts(engine, spec_sp, n)
     assert _chi2_pvalue(plain, spec) > 1e-3
-    monkeypatch.setattr(torch_engine_module, "rejection_sample", lossy_rejection_sample)
+    monkeypatch.setattr(round_module, "rejection_sample", lossy_rejection_sample)
     lossy = _continuation_counts(engine, spec_sp, n)
     assert _chi2_pvalue(plain, lossy) < 1e-6
 
