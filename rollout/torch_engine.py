@@ -40,7 +40,7 @@ class TorchEngine:
         self.policy_version = policy_version
         self.heads: MTPHeads | None = None
         self.head_version = head_version
-        self.forwards = Forwards(policy, None, self.config.compile, self.config.freeze)
+        self.forwards = Forwards(policy, None, self.config.compile)
         self._caches: dict[tuple[int, int], KVCache] = {}   # (batch bucket, length) -> static target cache
         self.costs: dict[int, CostModel] = {}                # batch bucket -> measured cost curve
         self.adaptive: AdaptiveK | None = None
@@ -64,7 +64,6 @@ class TorchEngine:
             raise ValueError("this engine has no heads to update; construct it with heads first")
         self.heads.load_state_dict({k: torch.as_tensor(v) for k, v in state_dict.items()})
         self.head_version = version
-        self.forwards.weights_changed()
 
     def update_policy(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
         sd = {k: torch.as_tensor(v) for k, v in state_dict.items()}
@@ -74,7 +73,6 @@ class TorchEngine:
         if unexpected:
             raise ValueError(f"policy update has tensors this model does not have: {unexpected[:5]}")
         self.policy_version = version
-        self.forwards.weights_changed()
 
     # ----------------------------------------------------------------- decoding
     @property

@@ -9,12 +9,9 @@ class EngineConfig:
     """How TorchEngine decodes. None of these change what is generated (at T = 0, float32,
     compiled and eager give the same tokens; speculation is lossless either way)."""
 
-    # torch.compile the decoder and head forwards (inductor; CPU: freezing, GPU: CUDA graphs).
-    # None = auto: compile models with >= 20M parameters (tiny test models stay eager).
+    # torch.compile the decoder layer and head block (inductor; GPU: CUDA graphs). False = eager,
+    # for debugging. None = auto: compile models with >= 20M parameters (tiny test models stay eager).
     compile: bool | None = None
-    # CPU only: inductor `freezing` (weights become constants, prepacked for oneDNN). Faster, but a
-    # policy/head update then recompiles; turn off for RL workers that update weights every step.
-    freeze: bool = True
     # batch sizes compiled for; a batch runs in the smallest bucket that holds it, finished rows
     # are compacted into a smaller bucket as soon as the active ones fit.
     batch_buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128)
