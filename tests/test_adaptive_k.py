@@ -46,7 +46,7 @@ def test_untrained_heads_settle_at_plain_decoding_apart_from_probes(tiny_policy)
     out = engine.generate(PROMPTS, SamplingParams(max_new_tokens=40, temperature=1.0, ignore_eos=True,
                                                   num_draft_tokens=3, seed=0))
     ks = [(c.k, c.reason) for c in out.k_choices]
-    assert ks[0] == (3, "best")                     # optimistic prior
+    assert ks[0][0] > 0 and ks[0][1] == "best"       # optimistic prior: drafts at first
     settled = next(i for i, (k, _) in enumerate(ks) if k == 0)
     assert settled <= 3
     after = ks[settled:]

@@ -38,5 +38,5 @@ class EngineConfig:
 
 
 def bucket(n: int, buckets: tuple[int, ...]) -> int:
-    """The smallest bucket >= n (n itself beyond the largest)."""
-    return next((b for b in buckets if b >= n), n)
+    """The smallest bucket >= n; beyond the largest, the next multiple of the largest."""
+    return next((b for b in buckets if b >= n), -(-n // buckets[-1]) * buckets[-1])
