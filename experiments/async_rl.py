@@ -26,7 +26,8 @@ from tqdm import tqdm
 from mtp_heads.heads import MTPHeads, init_heads
 from rollout.accelerator import RolloutAccelerator
 from rollout.types import RolloutBatch
-from trainers.config import RunConfig, load_config, write_resolved
+from rollout.config_loader import config_help, wants_help, write_resolved
+from trainers.config import USAGE, RunConfig, load_run_config
 from trainers.grpo import GRPOTrainer, Prefetcher
 from trainers.policy import Policy, load_policy
 from trainers.tasks import Task, TaskSampler, score
@@ -167,8 +168,12 @@ def with_default_config(argv: list[str]) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of `mtp-rollout run`: argv = YAML files and key=value overrides; without a
     YAML file the main job's configs/async_rl.yaml comes first."""
+    argv = sys.argv[1:] if argv is None else argv
+    if wants_help(argv):
+        print(config_help(RunConfig, usage=USAGE), end="")
+        return 0
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    cfg, resolved = load_config(with_default_config(sys.argv[1:] if argv is None else argv))
+    cfg, resolved = load_run_config(with_default_config(argv))
     run(cfg, resolved)
     return 0
 

@@ -17,6 +17,7 @@ and two PNG figures.
 from __future__ import annotations
 
 import csv
+import io
 import json
 import logging
 import math
@@ -30,6 +31,7 @@ from typing import Any
 
 import numpy as np
 
+from rollout.fileio import atomic_write
 from rollout.types import Completion, RolloutBatch, SpecDecodingStats
 
 logger = logging.getLogger(__name__)
@@ -402,14 +404,6 @@ def flatten_record(rec: dict, sep: str = ".") -> dict[str, Any]:
     return out
 
 
-def _atomic_write(path: Path, write, mode: str = "w") -> None:
-    """Write via a temporary file and rename, so readers never see half a CSV/PNG/state file."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, mode, **({"encoding": "utf-8", "newline": ""} if "b" not in mode else {})) as f:
-        write(f)
-    os.replace(tmp, path)
-
-
 def _repair_tail(path: Path) -> None:
     """Make a crashed run's JSONL appendable: cut a truncated last line, or end a complete one."""
     data = path.read_bytes()
@@ -616,15 +610,11 @@ class AcceptanceMonitor:
         """Write <out_dir>/summary.csv: one row per step, flat columns (see flatten_record)."""
         rows = [flatten_record(r) for r in self._records]
         cols = list(dict.fromkeys(k for r in rows for k in r))
-        path = self.out_dir / self.CSV
-
-        def write(f):
-            w = csv.DictWriter(f, fieldnames=cols, restval="")
-            w.writeheader()
-            w.writerows(rows)
-
-        _atomic_write(path, write)
-        return path
+        buf = io.StringIO(newline="")
+        w = csv.DictWriter(buf, fieldnames=cols, restval="")
+        w.writeheader()
+        w.writerows(rows)
+        return atomic_write(self.out_dir / self.CSV, buf.getvalue())
 
     def plot(self) -> list[Path]:
         """Write acceptance_vs_entropy.png and over_steps.png from the records so far."""
@@ -802,7 +792,7 @@ class AcceptanceMonitor:
         state = {"step": self._records[-1]["step"] if self._records else None,
                  "all": self._all.hist.to_dict(),
                  "domains": {d: g.hist.to_dict() for d, g in self._domains.items()}}
-        _atomic_write(self.out_dir / self.STATE, lambda f: f.write(json.dumps(state)))  # dumps: C encoder
+        atomic_write(self.out_dir / self.STATE, json.dumps(state))  # dumps: C encoder
 
     def _load_state(self) -> None:
         path = self.out_dir / self.STATE
@@ -874,7 +864,9 @@ def _new_figure(rows: int, cols: int, size: tuple[float, float], margins: dict, 
 
 
 def _save(fig, path: Path) -> None:
-    _atomic_write(path, lambda f: fig.savefig(f, format="png", dpi=110), mode="wb")
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=110)
+    atomic_write(path, buf.getvalue())
 
 
 def _column(records: list[dict], key: str) -> np.ndarray:

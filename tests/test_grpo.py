@@ -172,14 +172,15 @@ from pathlib import Path  # noqa: E402
 
 from omegaconf import OmegaConf  # noqa: E402
 
-from trainers.config import RunConfig, config_keys, load_config, write_resolved  # noqa: E402
+from rollout.config_loader import config_keys, write_resolved  # noqa: E402
+from trainers.config import RunConfig, load_run_config  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_config_overrides_interpolation_and_resolved_roundtrip(tmp_path):
     run_dir = tmp_path / "run"
-    cfg, resolved = load_config([str(ROOT / "configs/smoke.yaml"), f"out_dir={run_dir}", "grpo.lr=0.5",
+    cfg, resolved = load_run_config([str(ROOT / "configs/smoke.yaml"), f"out_dir={run_dir}", "grpo.lr=0.5",
                                  "sampling.temperature.end=2.0", "tasks.domains=[reverse]"])
     assert isinstance(cfg, RunConfig) and cfg.grpo.lr == 0.5 and cfg.tasks.domains == ("reverse",)
     assert cfg.sampling.temperature.end == 2.0 and cfg.sampling.temperature.start == 0.8   # YAML kept
@@ -187,12 +188,12 @@ def test_config_overrides_interpolation_and_resolved_roundtrip(tmp_path):
     assert cfg.accelerator.monitor.out_dir == str(run_dir)                                 # follows out_dir
     path = write_resolved(resolved, run_dir)
     assert "${" not in path.read_text()
-    again, _ = load_config([str(path)])
+    again, _ = load_run_config([str(path)])
     assert again == cfg
 
 
 def test_now_gives_a_timestamped_run_dir():
-    cfg, _ = load_config([])
+    cfg, _ = load_run_config([])
     assert cfg.out_dir.startswith("runs/async_rl/") and "${" not in cfg.out_dir
     assert cfg.accelerator.cotrainer.checkpoint_dir == cfg.out_dir + "/cotrainer"
 
@@ -203,37 +204,37 @@ def test_now_gives_a_timestamped_run_dir():
 ])
 def test_bad_config_keys_name_the_key(args, key):
     with pytest.raises(ValueError, match=f"'{key}'"):
-        load_config(args)
+        load_run_config(args)
 
 
 def test_bad_key_in_yaml_names_file_and_key(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("grpo:\n  group_sise: 4\n")
     with pytest.raises(ValueError, match=r"bad.yaml.*'grpo.group_sise'"):
-        load_config([str(bad)])
+        load_run_config([str(bad)])
     with pytest.raises(ValueError, match="neither a YAML file"):
-        load_config([str(tmp_path / "missing.yaml")])
+        load_run_config([str(tmp_path / "missing.yaml")])
 
 
 def test_bad_values_are_rejected_by_the_dataclasses():
     with pytest.raises(ValueError, match="algebra"):
-        load_config(["tasks.domains=[algebra]"])
+        load_run_config(["tasks.domains=[algebra]"])
     with pytest.raises(ValueError, match="group_size"):
-        load_config(["grpo.group_size=1"])
+        load_run_config(["grpo.group_size=1"])
     with pytest.raises(ValueError, match="draft_mode"):
-        load_config(["sampling.draft_mode=beam"])
+        load_run_config(["sampling.draft_mode=beam"])
 
 
 def test_configs_readme_lists_every_key_with_its_default():
     text = (ROOT / "configs/README.md").read_text()
-    for key, default in config_keys():
-        assert f"| `{key}` | `{default}` |" in text, f"configs/README.md lacks {key} (default {default})"
+    for k in config_keys(RunConfig):
+        assert f"| `{k.key}` | `{k.default}` |" in text, f"configs/README.md lacks {k.key} (default {k.default})"
 
 
 @pytest.mark.parametrize("name", ["async_rl.yaml", "smoke.yaml"])
 def test_shipped_configs_load(name):
-    cfg, resolved = load_config([str(ROOT / "configs" / name)])
-    assert OmegaConf.to_yaml(resolved, resolve=True)
+    cfg, resolved = load_run_config([str(ROOT / "configs" / name)])
+    assert "${" not in resolved and OmegaConf.create(resolved).steps == cfg.steps
     assert cfg.grpo.group_size >= 2 and len(cfg.tasks.domains) >= 2
 
 
@@ -242,5 +243,5 @@ def test_main_job_defaults_to_async_rl_yaml():
 
     assert with_default_config(["steps=3"]) == [str(DEFAULT_CONFIG), "steps=3"]
     assert with_default_config(["configs/smoke.yaml", "steps=3"]) == ["configs/smoke.yaml", "steps=3"]
-    cfg, _ = load_config(with_default_config([]))
+    cfg, _ = load_run_config(with_default_config([]))
     assert cfg.accelerator.model == "smollm2-135m" and cfg.heads == "pretrained"
