@@ -29,7 +29,7 @@ from rollout.types import RolloutBatch
 from rollout.config_loader import config_help, wants_help, write_resolved
 from trainers.config import USAGE, RunConfig, load_run_config
 from trainers.grpo import GRPOTrainer, Prefetcher
-from trainers.policy import Policy, load_policy
+from trainers.policy import Policy, load_rl_policy
 from trainers.tasks import Task, TaskSampler, score
 
 logger = logging.getLogger(__name__)
@@ -86,7 +86,7 @@ def run(cfg: RunConfig, resolved) -> Path:
     write_resolved(resolved, run_dir)
     torch.manual_seed(cfg.seed)
     torch.set_num_threads(cfg.trainer_threads)
-    policy = load_policy(cfg.accelerator.model, cfg.accelerator.dtype, cfg.seed)
+    policy = load_rl_policy(cfg.accelerator.model, cfg.accelerator.dtype, cfg.seed)
     if cfg.heads not in HEAD_SOURCES:
         raise ValueError(f"heads={cfg.heads!r} is unknown; choose one of {sorted(HEAD_SOURCES)}")
     heads = HEAD_SOURCES[cfg.heads](policy, cfg)

@@ -25,9 +25,11 @@ import time
 import ray
 import torch
 
-from rollout.accelerator import AcceleratorConfig, CoTrainerConfig, RolloutAccelerator, WorkerConfig
+from rollout.accelerator import AcceleratorConfig, RolloutAccelerator
 from rollout.monitor import MonitorConfig
 from rollout.types import SamplingParams
+from rollout.workers import WorkerConfig
+from trainers.cotrainer import CoTrainerConfig
 
 QUESTIONS = ["What is 17 plus 25?", "Reverse the word 'rollout'.", "Name three primary colours.",
              "Write one sentence about the sea.", "What is the capital of France?",

@@ -114,23 +114,33 @@ class ConfigKey:
 
 
 def _field_comments(cls: type) -> dict[str, str]:
-    """field name -> the comment(s) on the line(s) of its declaration in the class body."""
+    """field name -> the comment on the line(s) of its declaration in the class body, continued
+    by comment-only lines right below it whose `#` sits in the same column."""
     try:
         src = textwrap.dedent(inspect.getsource(cls))
     except (OSError, TypeError):
         return {}
-    comments: dict[int, str] = {}
+    comments: dict[int, tuple[int, str, bool]] = {}     # line -> (column, text, comment-only line)
+    lines = src.splitlines()
     for tok in tokenize.generate_tokens(io.StringIO(src).readline):
         if tok.type == tokenize.COMMENT:
-            comments[tok.start[0]] = tok.string.lstrip("#").strip()
+            row, col = tok.start
+            comments[row] = (col, tok.string.lstrip("#").strip(), not lines[row - 1][:col].strip())
     out: dict[str, str] = {}
     body = ast.parse(src).body[0]
     for node in getattr(body, "body", []):
-        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
-            lines = range(node.lineno, (node.end_lineno or node.lineno) + 1)
-            text = " ".join(comments[i] for i in lines if i in comments)
-            if text:
-                out[node.target.id] = text
+        if not (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)):
+            continue
+        end = node.end_lineno or node.lineno
+        own = [comments[i] for i in range(node.lineno, end + 1) if i in comments]
+        if not own:
+            continue
+        text, col = [c[1] for c in own], own[-1][0]
+        nxt = end + 1
+        while nxt in comments and comments[nxt][2] and comments[nxt][0] == col:
+            text.append(comments[nxt][1])
+            nxt += 1
+        out[node.target.id] = " ".join(text)
     return out
 
 

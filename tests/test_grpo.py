@@ -12,7 +12,7 @@ from rollout.types import Completion, RolloutBatch, SamplingParams
 from tests.conftest import tiny_config
 from rollout.models.decoder import random_model
 from trainers.grpo import (GRPOConfig, GRPOTrainer, Prefetcher, ScheduleConfig, group_advantages,
-                           grpo_token_loss, pack, token_logprobs)
+                           grpo_token_loss, pack_completions, token_logprobs)
 
 
 @pytest.fixture
@@ -50,7 +50,7 @@ def test_loss_matches_hand_computed_reference():
 
 
 def test_pack_places_completion_targets():
-    p = pack([[5, 6, 7], [8]], [[9, 10], [11, 12, 13]], [[-1.0, -2.0], [-3.0, -4.0, -5.0]], [0.5, -1.0])
+    p = pack_completions([[5, 6, 7], [8]], [[9, 10], [11, 12, 13]], [[-1.0, -2.0], [-3.0, -4.0, -5.0]], [0.5, -1.0])
     assert p.seq.tolist() == [[5, 6, 7, 9, 10], [8, 11, 12, 13, 0]]
     assert p.seq[:, 1:][p.target].tolist() == [9, 10, 11, 12, 13]
     assert p.old_logp.tolist() == [-1.0, -2.0, -3.0, -4.0, -5.0]
@@ -66,7 +66,8 @@ def _rollouts(policy, n=4, temperature=1.0, seed=0, max_new_tokens=6):
 def test_trainer_logprobs_equal_rollout_logprobs_before_any_update(policy):
     batch = _rollouts(policy)
     cs = batch.completions
-    packed = pack([c.prompt for c in cs], [c.tokens for c in cs], [c.logprobs for c in cs], [0.0] * len(cs))
+    packed = pack_completions([c.prompt for c in cs], [c.tokens for c in cs], [c.logprobs for c in cs],
+                              [0.0] * len(cs))
     trainer = GRPOTrainer(policy, GRPOConfig(group_size=2), total_steps=1)
     with torch.no_grad():
         logp, ent = token_logprobs(trainer.model, packed)
@@ -80,7 +81,7 @@ def test_positive_advantage_raises_that_completions_probability(policy):
     trainer = GRPOTrainer(policy, cfg, total_steps=1)
     before = {n: p.clone() for n, p in trainer.model.named_parameters()}
     cs = batch.completions
-    packed = pack([c.prompt for c in cs], [c.tokens for c in cs], [c.logprobs for c in cs], [0.0, 0.0])
+    packed = pack_completions([c.prompt for c in cs], [c.tokens for c in cs], [c.logprobs for c in cs], [0.0, 0.0])
     stats = trainer.step(batch, rewards=[1.0, 0.0], step=0)
     with torch.no_grad():
         logp, _ = token_logprobs(trainer.model, packed)

@@ -12,14 +12,15 @@ import torch
 
 from mtp_heads.checkpoint import load_heads
 from mtp_heads.heads import init_heads
-from rollout.accelerator import AcceleratorConfig, CoTrainerConfig, RolloutAccelerator, WorkerConfig
+from rollout.accelerator import AcceleratorConfig, RolloutAccelerator
 from rollout.models.decoder import random_model
 from rollout.monitor import AcceptanceMonitor, MonitorConfig
 from rollout.torch_engine import TorchEngine
 from rollout.types import SamplingParams
 from rollout.weights import pack, unpack
+from rollout.workers import WorkerConfig
 from tests.conftest import random_heads, tiny_config
-from trainers.cotrainer import HeadCoTrainer
+from trainers.cotrainer import CoTrainerConfig, HeadCoTrainer
 from trainers.refresh import StepObservation, build_refresh_policy
 
 PROMPTS = [[2 + i, 3, 4 + i, 5] for i in range(4)]

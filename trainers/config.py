@@ -12,10 +12,12 @@ from __future__ import annotations
 import dataclasses
 import sys
 
-from rollout.accelerator import AcceleratorConfig, CoTrainerConfig, WorkerConfig
+from rollout.accelerator import AcceleratorConfig
 from rollout.config_loader import keys_table, load_config
 from rollout.monitor import MonitorConfig
+from rollout.workers import WorkerConfig
 from rollout.types import DRAFT_MODES, SamplingParams
+from trainers.cotrainer import CoTrainerConfig
 from trainers.grpo import GRPOConfig, ScheduleConfig
 from trainers.tasks import TaskConfig
 

@@ -15,7 +15,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
 import numpy as np
 import torch
@@ -25,15 +25,44 @@ from mtp_heads.fused_tv import fused_linear_tv_e2e_loss, fused_linear_tv_loss
 from mtp_heads.losses import IGNORE_INDEX, draft_loss
 from rollout.models.config import ModelConfig
 from rollout.weights import FlatWeights, heads_from_flat, pack, policy_from_flat, unpack
-from trainers.refresh import StepObservation, build_refresh_policy
-
-if TYPE_CHECKING:
-    from rollout.accelerator import CoTrainerConfig
+from trainers.refresh import REFRESH_POLICIES, StepObservation, build_refresh_policy
 
 logger = logging.getLogger(__name__)
 
 HEADS_NAME = "heads_latest.safetensors"   # mtp_heads.checkpoint format: usable as heads_path
 STATE_NAME = "cotrainer_state.pt"          # optimizer, refresh-policy state, history
+
+
+@dataclass(frozen=True)
+class CoTrainerConfig:
+    """The head co-trainer: its objective, when it refreshes, its resources and checkpoints."""
+
+    enabled: bool = True                # run the head co-trainer (false: heads stay as loaded)
+    loss: str = "tv"                    # head loss: `tv` (default), `tv_e2e`, `fkl`, `rkl`, `ce`
+    lr: float = 1e-3                    # co-trainer AdamW learning rate
+    steps_per_refresh: int = 20         # head training steps per refresh
+    batch_tokens: int = 2048            # tokens per head training batch (prompt + completion)
+    replay_capacity: int = 64           # recent completions kept for head training
+    refresh: tuple[str, ...] = ("entropy_rise",)   # when to refresh, any of: `every_n_steps`, `entropy_rise`,
+                                                   # `acceptance_drop`, `never`
+    every_n_steps: int = 10             # period of `every_n_steps`
+    entropy_delta: float = 0.1          # nats of entropy rise that trigger `entropy_rise`
+    acceptance_epsilon: float = 0.05    # acceptance drop that triggers `acceptance_drop`
+    num_cpus: float = 1                 # Ray CPUs of the co-trainer (also its torch threads)
+    num_gpus: float = 0                 # Ray GPUs of the co-trainer; > 0 trains on CUDA
+    checkpoint_dir: str | None = None   # where the co-trainer checkpoints (a restart resumes from it); null: none
+    temperature: float = 1.0            # temperature of the TV target p and student q (match the rollouts')
+    max_restarts: int = 1               # automatic restarts of a dead co-trainer
+
+    def __post_init__(self) -> None:
+        refresh = (self.refresh,) if isinstance(self.refresh, str) else tuple(self.refresh)
+        bad = [r for r in refresh if r not in REFRESH_POLICIES]
+        if bad:
+            raise ValueError(f"cotrainer.refresh has unknown policies {bad}; choose from {sorted(REFRESH_POLICIES)}")
+        if self.num_cpus < 0 or self.num_gpus < 0:
+            raise ValueError(f"cotrainer.num_cpus / num_gpus must be >= 0, got {self.num_cpus} / {self.num_gpus}")
+        if self.max_restarts < 0:
+            raise ValueError(f"cotrainer.max_restarts must be >= 0, got {self.max_restarts}")
 
 
 @dataclass
@@ -112,7 +141,7 @@ class HeadCoTrainer:
     Plain class: rollout.accelerator wraps it with ray.remote; tests may use it directly.
     """
 
-    def __init__(self, config: "CoTrainerConfig", policy_config: ModelConfig, policy_weights: FlatWeights,
+    def __init__(self, config: CoTrainerConfig, policy_config: ModelConfig, policy_weights: FlatWeights,
                  policy_version: int, head_weights: FlatWeights, num_depths: int, head_version: int = 0, *,
                  seed: int = 0, num_threads: int | None = None, device: str = "cpu"):
         if config.loss not in HEAD_LOSSES:

@@ -129,8 +129,8 @@ class PackedTokens:
     adv: torch.Tensor        # [M] its completion's advantage
 
 
-def pack(prompts: list[list[int]], completions: list[list[int]], old_logprobs: list[list[float]],
-         advantages: list[float]) -> PackedTokens:
+def pack_completions(prompts: list[list[int]], completions: list[list[int]], old_logprobs: list[list[float]],
+                     advantages: list[float]) -> PackedTokens:
     """Lay prompt+completion rows side by side; completions without tokens contribute none."""
     L = max(len(p) + len(c) for p, c in zip(prompts, completions))
     seq = torch.zeros(len(prompts), L, dtype=torch.long)
@@ -182,8 +182,8 @@ class GRPOTrainer:
             part = comps[lo:lo + cfg.micro_batch]
             if not any(c.tokens for c in part):
                 continue
-            packed = pack([c.prompt for c in part], [c.tokens for c in part], [c.logprobs for c in part],
-                          adv[lo:lo + cfg.micro_batch])
+            packed = pack_completions([c.prompt for c in part], [c.tokens for c in part],
+                                      [c.logprobs for c in part], adv[lo:lo + cfg.micro_batch])
             logp, ent = token_logprobs(self.model, packed)
             loss, stats = grpo_token_loss(logp, packed.old_logp, packed.adv, ent, clip_low=cfg.clip_low,
                                           clip_high=cfg.clip_high, entropy_coef=coef, num_tokens=num_tokens)
