@@ -44,7 +44,7 @@ class AcceleratorConfig:
 
     workers: WorkerConfig = dataclasses.field(default_factory=WorkerConfig)
     cotrainer: CoTrainerConfig = dataclasses.field(default_factory=CoTrainerConfig)
-    monitor: MonitorConfig = dataclasses.field(default_factory=MonitorConfig)
+    monitor: MonitorConfig = dataclasses.field(default_factory=lambda: MonitorConfig(out_dir="runs/monitor"))
     model: str = "smollm2-135m"         # `smollm2-135m`, `tiny-random` (byte-level test model), a `.gguf` file
                                         # or an HF directory
     heads_path: str | None = None       # MTP heads file (mtp_heads.checkpoint); used when `heads: path`

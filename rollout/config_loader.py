@@ -158,17 +158,18 @@ def config_keys(cls: type) -> list[ConfigKey]:
     schema = OmegaConf.to_container(OmegaConf.structured(cls), resolve=False)
     out: list[ConfigKey] = []
 
-    def walk(node_cls: type, values: dict, prefix: str) -> None:
+    def walk(node_cls: type, values: dict, prefix: str, context: str) -> None:
         helps = _field_help(node_cls)
         for f in dataclasses.fields(node_cls):
-            v = values.get(f.name)
+            v, h = values.get(f.name), helps[f.name]
             sub = _dataclass_type(node_cls, f)
             if sub is not None and isinstance(v, dict):
-                walk(sub, v, f"{prefix}{f.name}.")
+                # a reused schema (a schedule) gets its meaning from the field that holds it
+                walk(sub, v, f"{prefix}{f.name}.", h)
             else:
-                out.append(ConfigKey(f"{prefix}{f.name}", _yaml_scalar(v), helps[f.name]))
+                out.append(ConfigKey(f"{prefix}{f.name}", _yaml_scalar(v), f"{context}: {h}" if context and h else h))
 
-    walk(cls, schema, "")
+    walk(cls, schema, "", "")
     return out
 
 

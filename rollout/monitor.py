@@ -506,18 +506,18 @@ class _GroupHistory:
 class MonitorConfig:
     """Where the monitor writes and when it alerts. Plain values only: picklable for Ray."""
 
-    out_dir: str
-    window: int = 20                 # rolling steps for the windowed slope and acceptance
-    n_bins: int = 10                 # quantile entropy bins for the per-position slope
-    n_boot: int = 1000               # bootstrap resamples per slope CI
-    min_acceptance: float = 0.5      # alert when windowed acceptance rate falls below this
-    min_slope: float = -0.5          # alert when the windowed slope's whole CI is below this (per nat)
-    tensorboard: bool = True         # scalars under <out_dir>/tb
-    plot_every: int = 10             # rewrite CSV + PNGs every this many steps; 0 = only on close()
-    plots: bool = True               # False: no PNGs (periodic or on close), e.g. headless workers
-    seed: int = 0                    # bootstrap seed; step s uses seed + s
-    hist_width: float = 0.01         # nats per cell of the cumulative per-position histogram
-    max_entropy: float = 16.0        # histogram range; log(256k vocab) = 12.5 nats
+    out_dir: str                     # monitor output directory (follows `out_dir` in a run)
+    window: int = 20                 # steps in the rolling slope / acceptance window
+    n_bins: int = 10                 # quantile entropy bins of the per-position slope
+    n_boot: int = 1000               # bootstrap resamples per slope interval
+    min_acceptance: float = 0.5      # alert when the windowed acceptance rate falls below
+    min_slope: float = -0.5          # alert when the windowed slope's CI is entirely below (per nat)
+    tensorboard: bool = True         # write TensorBoard scalars under `tb/`
+    plot_every: int = 10             # rewrite CSV and PNGs every N steps (0: only at the end)
+    plots: bool = True               # write PNG figures at all (false: e.g. headless workers)
+    seed: int = 0                    # bootstrap seed (step s uses seed + s)
+    hist_width: float = 0.01         # nats per cell of the cumulative entropy histogram
+    max_entropy: float = 16.0        # range of that histogram in nats (log of a 256k vocabulary: 12.5)
 
     def __post_init__(self) -> None:
         if self.window < 3:

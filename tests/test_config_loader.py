@@ -25,6 +25,10 @@ class Job:
     out_dir: str = "runs/${now:%Y}"      # where the job writes
     log_dir: str = "${out_dir}/logs"     # follows out_dir
     steps: int = 3
+    note: str = "x"                      # a meaning that goes on
+                                         # over two lines
+    # a comment-only line in another column belongs to nobody
+    other: int = 0
 
 
 def test_yaml_then_overrides_left_to_right_and_interpolation(tmp_path):
@@ -66,7 +70,8 @@ def test_errors_name_the_file(tmp_path):
 
 def test_help_lists_every_key_with_default_and_meaning():
     keys = {k.key: k for k in config_keys(Job)}
-    assert list(keys) == ["inner.lr", "inner.names", "inner.depth", "out_dir", "log_dir", "steps"]
+    assert list(keys) == ["inner.lr", "inner.names", "inner.depth", "out_dir", "log_dir", "steps", "note", "other"]
+    assert keys["note"].help == "a meaning that goes on over two lines" and keys["other"].help == ""
     assert keys["inner.lr"].default == "0.001" and keys["inner.lr"].help == "learning rate of the toy optimiser"
     assert keys["inner.depth"].help == "how deep the toy goes"          # metadata wins over comments
     assert keys["inner.names"].default == '["a", "b"]' and keys["steps"].help == ""

@@ -173,7 +173,7 @@ from pathlib import Path  # noqa: E402
 
 from omegaconf import OmegaConf  # noqa: E402
 
-from rollout.config_loader import config_keys, write_resolved  # noqa: E402
+from rollout.config_loader import config_keys, keys_table, write_resolved  # noqa: E402
 from trainers.config import RunConfig, load_run_config  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -226,10 +226,23 @@ def test_bad_values_are_rejected_by_the_dataclasses():
         load_run_config(["sampling.draft_mode=beam"])
 
 
-def test_configs_readme_lists_every_key_with_its_default():
+def test_configs_readme_table_is_the_schema_and_every_key_has_a_meaning():
     text = (ROOT / "configs/README.md").read_text()
+    after = text[text.index("## All keys"):]
+    block = after[after.index("| key | default | meaning |"):].split("\n\n")[0].strip()
+    assert block == keys_table(RunConfig), "configs/README.md is stale: paste `python -m trainers.config`"
+    undocumented = [k.key for k in config_keys(RunConfig) if not k.help]
+    assert not undocumented, f"give these fields a comment or metadata help: {undocumented}"
+
+
+def test_run_help_lists_every_key_with_default_and_meaning(capsys):
+    from experiments.async_rl import main
+
+    assert main(["--help"]) == 0
+    out = capsys.readouterr().out
     for k in config_keys(RunConfig):
-        assert f"| `{k.key}` | `{k.default}` |" in text, f"configs/README.md lacks {k.key} (default {k.default})"
+        line = next(l for l in out.splitlines() if l.strip().startswith(f"{k.key} = "))
+        assert k.default in line and k.help in line
 
 
 @pytest.mark.parametrize("name", ["async_rl.yaml", "smoke.yaml"])

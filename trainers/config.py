@@ -26,12 +26,13 @@ from trainers.tasks import TaskConfig
 class SamplingConfig:
     """How rollouts are sampled; the temperature follows a schedule over the run."""
 
-    max_new_tokens: int = 32
-    temperature: ScheduleConfig = dataclasses.field(default_factory=lambda: ScheduleConfig(0.8, 1.2))
-    top_k: int = 0
-    top_p: float = 1.0
-    num_draft_tokens: int = 3          # k drafted by the MTP heads per round; 0 = no speculation
-    draft_mode: str = "rejection"      # greedy | rejection (see DESIGN.md)
+    max_new_tokens: int = 32           # tokens generated per completion at most
+    temperature: ScheduleConfig = dataclasses.field(   # sampling temperature
+        default_factory=lambda: ScheduleConfig(0.8, 1.2))
+    top_k: int = 0                     # 0 = off
+    top_p: float = 1.0                 # 1 = off
+    num_draft_tokens: int = 3          # k tokens drafted by the heads per round (0: plain decoding)
+    draft_mode: str = "rejection"      # `rejection` (draft ~ q) or `greedy` (argmax q); both lossless
 
     def __post_init__(self) -> None:
         if self.draft_mode not in DRAFT_MODES:
@@ -59,12 +60,14 @@ class RunConfig:
     grpo: GRPOConfig = dataclasses.field(default_factory=GRPOConfig)
     tasks: TaskConfig = dataclasses.field(default_factory=TaskConfig)
     sampling: SamplingConfig = dataclasses.field(default_factory=SamplingConfig)
-    steps: int = 20
-    out_dir: str = "runs/async_rl/${now:%Y%m%d-%H%M%S}"   # the run directory; must not hold another run
-    heads: str = "pretrained"          # where the MTP heads come from: a key of experiments.async_rl.HEAD_SOURCES
-    trainer_threads: int = 1           # torch threads of the GRPO update in the driver process
-    progress: bool = True              # a tqdm line per step
-    seed: int = 0
+    steps: int = 20                    # RL steps
+    out_dir: str = "runs/async_rl/${now:%Y%m%d-%H%M%S}"   # the run directory (must not hold another run)
+    heads: str = "pretrained"          # where the heads come from: `pretrained` (cached `mtp-rollout train-heads`
+                                       # result), `init` (copy of the last policy layer, untrained), `path`
+                                       # (`accelerator.heads_path`)
+    trainer_threads: int = 1           # torch threads of the GRPO update in the driver
+    progress: bool = True              # tqdm progress line per step
+    seed: int = 0                      # seed of the policy update, sampling and tiny models
 
     def __post_init__(self) -> None:
         if self.steps < 1:
