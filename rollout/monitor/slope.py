@@ -15,7 +15,6 @@ import numpy as np
 _BOOT_CHUNK_ELEMS = 1_000_000  # resample-count matrix per chunk (n_boot rows x n points): ~8 MB
 
 
-
 @dataclass(frozen=True)
 class SlopeFit:
     """Least-squares line acceptance = intercept + slope * entropy, slope CI from a bootstrap.
