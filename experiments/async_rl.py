@@ -146,7 +146,9 @@ def check_lengths(cfg: RunConfig, policy: Policy) -> None:
 
 
 def holds_run(run_dir: Path) -> list[str]:
-    return [n for n in ("config.yaml", *LOGS, CHECKPOINTS) if (run_dir / n).exists()]
+    """What makes out_dir a run's directory (empty logs of a run that failed to start do not)."""
+    return [n for n in ("config.yaml", CHECKPOINTS) if (run_dir / n).exists()] + \
+        [n for n in LOGS if (run_dir / n).exists() and (run_dir / n).stat().st_size > 0]
 
 
 def _flat(node, prefix: str = ""):
@@ -174,11 +176,6 @@ def check_resume(cfg: RunConfig, resolved, run_dir: Path) -> None:
     if diff:
         raise ValueError(f"resume=true with another config than {saved_path}: {'; '.join(diff)[:800]}. "
                          "Resume with the same settings (only resume, progress, checkpoint_every may change)")
-    for name in LOGS:                                   # damaged logs: say which, now
-        if (run_dir / name).exists():
-            read_jsonl(run_dir / name)
-    if (run_dir / MONITOR_STATE).exists():
-        read_json(run_dir / MONITOR_STATE, "monitor state")
 
 
 def run(cfg: RunConfig, resolved) -> Path:
@@ -200,22 +197,25 @@ def run(cfg: RunConfig, resolved) -> Path:
         check_lengths(cfg, policy)
         if cfg.resume:
             rewind_run_dir(run_dir, ckpt, cfg.accelerator.cotrainer.checkpoint_dir)
+            for name in LOGS:                           # damaged before the checkpoint: say which file, now
+                read_jsonl(run_dir / name)
+            if (run_dir / MONITOR_STATE).exists():
+                read_json(run_dir / MONITOR_STATE, "monitor state")
             print(f"resuming {run_dir} " + (f"after step {ckpt.step}" if ckpt else "from step 0 (no checkpoint yet)"))
-        else:
-            write_resolved(resolved, run_dir)
         if ckpt is not None and ckpt.step + 1 >= cfg.steps:
             print(f"{run_dir}: all {cfg.steps} steps are done; nothing to resume")
         else:
             with local_ray(cfg.accelerator.ray_address):
-                _train(cfg, policy, run_dir, ckpt)
+                _train(cfg, policy, run_dir, ckpt, None if cfg.resume else resolved)
         plot_rl(run_dir)
     print(f"run directory {run_dir}\nfigures: {run_dir / 'acceptance_vs_entropy.png'}, "
           f"{run_dir / 'over_steps.png'}, {run_dir / 'rl_over_steps.png'}")
     return run_dir
 
 
-def _train(cfg: RunConfig, policy: Policy, run_dir: Path, ckpt: Checkpoint | None) -> None:
-    """The driver loop, from step 0 or from the step after `ckpt`."""
+def _train(cfg: RunConfig, policy: Policy, run_dir: Path, ckpt: Checkpoint | None, resolved) -> None:
+    """The driver loop, from step 0 or from the step after `ckpt`. A fresh run's config.yaml is
+    written once the actors are up: a run that failed to start leaves no run behind."""
     trainer = GRPOTrainer(policy.model, cfg.grpo, cfg.steps)
     sampler = TaskSampler(cfg.tasks)
     start, versions, pending_sync, cotrainer_state = 0, {}, None, None
@@ -234,6 +234,8 @@ def _train(cfg: RunConfig, policy: Policy, run_dir: Path, ckpt: Checkpoint | Non
     accel = RolloutAccelerator.from_config(cfg.accelerator, policy=policy.model, heads=heads, **versions)
     if cotrainer_state is not None and accel.cotrainer is not None:
         ray.get(accel.cotrainer.load_state.remote(cotrainer_state))
+    if resolved is not None:
+        write_resolved(resolved, run_dir)
     prefetch = Prefetcher(lambda step: rollouts(accel, sampler, policy, cfg, step))
     t_start = time.perf_counter()
     try:
