@@ -109,8 +109,9 @@ def test_resume_needs_a_run_and_the_same_config(tmp_path, capsys):
     out = tmp_path / "run"
     assert cli.main(["run", SMOKE, f"out_dir={out}", "resume=true"]) == 2
     assert "holds no run to resume" in error_lines(capsys.readouterr().err)[0]
-    from trainers.config import load_config, write_resolved
-    write_resolved(load_config([SMOKE, f"out_dir={out}"])[1], out)      # as a run that crashed at once
+    from rollout.config_loader import write_resolved
+    from trainers.config import load_run_config
+    write_resolved(load_run_config([SMOKE, f"out_dir={out}"])[1], out)      # as a run that crashed at once
     assert cli.main(["run", SMOKE, f"out_dir={out}", "resume=true", "grpo.lr=0.5"]) == 2
     line = error_lines(capsys.readouterr().err)[0]
     assert "grpo.lr: 0.001 -> 0.5" in line
