@@ -78,6 +78,8 @@ def main(argv: list[str] | None = None) -> dict:
     from rollout.models.loaders import load_model
     plan = plan_from_args(a)
     out = Path(a.out) if a.out else default_heads_path(a.model, a.depths, a.loss)
+    from rollout.run_dir import check_writable
+    check_writable(out.parent, "--out directory")     # before minutes of data generation and training
     t0 = time.perf_counter()
     loaded = load_model(a.model)
     policy = build_model(loaded.config, loaded.state_dict)

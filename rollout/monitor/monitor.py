@@ -322,7 +322,11 @@ class AcceptanceMonitor:
             if self._records:
                 logger.warning("%s missing: cumulative per-position slope restarts from zero", path)
             return
-        state = json.loads(path.read_text(encoding="utf-8"))
+        try:
+            state = json.loads(path.read_text(encoding="utf-8"))
+        except ValueError as e:
+            raise ValueError(f"{path} is not valid JSON ({e}); it is damaged: delete it (the cumulative "
+                             "per-position slope then restarts) or resume the run from a checkpoint") from None
         self._all.hist = EntropyHistogram.from_dict(state["all"])
         for d, h in state["domains"].items():
             self._domain(d).hist = EntropyHistogram.from_dict(h)
