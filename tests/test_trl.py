@@ -20,9 +20,9 @@ from rollout.monitor import AcceptanceMonitor, MonitorConfig
 
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")   # rollout_func is "experimental" in TRL 1.16
 
-transformers = pytest.importorskip("transformers")       # dev dependencies (pyproject's dev extra)
-trl = pytest.importorskip("trl")
-datasets = pytest.importorskip("datasets")
+import datasets  # noqa: E402  dev dependencies (pyproject's dev extra): these tests must run, never skip
+import transformers  # noqa: E402
+import trl  # noqa: E402
 
 from rollout.integrations.trl import TRLRollout, policy_tensors, sampling_from_args  # noqa: E402
 
