@@ -37,7 +37,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
                                                       "rollout.weights", "rollout.monitor")),
     ("runtime", ("rollout.accelerator", "rollout.worker_pool", "rollout.cotrainer_client",
                  "rollout.published_weights", "rollout.ray_guard")),
-    ("the RL job", ("trainers",)),
+    ("RL loops: the GRPO job, integrations into other trainers", ("trainers", "rollout.integrations")),
     ("experiments and the CLI", ("experiments",)),
 )
 PACKAGE_LAYERS = {"rollout": 4, "mtp_heads": 1, "trainers": 5, "experiments": 6}   # the __init__ modules
