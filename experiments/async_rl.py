@@ -38,14 +38,15 @@ DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "async_rl.yam
 
 
 def _pretrained_heads(policy: Policy, cfg: RunConfig) -> MTPHeads:
-    """The cached result of `mtp-rollout train-heads` for this model; trained (and cached) first if missing."""
-    from mtp_heads.pretrain import PretrainPlan, TrainConfig, load_or_train_default_heads
+    """The heads shipped for this model (mtp_heads.shipped); for other models the cached result of
+    `mtp-rollout train-heads`, trained (and cached) first if missing."""
+    from experiments.pretrain_heads import load_or_train_default_heads
 
     acc = cfg.accelerator
     if policy.loaded is None:
         raise ValueError(f"heads=pretrained needs a real model with a tokenizer, not {acc.model!r}; use heads=init")
-    plan = PretrainPlan(model=acc.model, train=TrainConfig(num_depths=acc.num_depths, loss=acc.cotrainer.loss))
-    heads, meta = load_or_train_default_heads(policy.model, policy.loaded, model_spec=acc.model, plan=plan,
+    heads, meta = load_or_train_default_heads(policy.model, policy.loaded, model_spec=acc.model,
+                                              overrides=(f"train.num_depths={acc.num_depths}",),
                                               progress=cfg.progress)
     logger.info("pre-trained heads: %d depths, %s loss, %d steps", meta.num_depths, meta.loss, meta.steps)
     return heads
