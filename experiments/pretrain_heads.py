@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from experiments.heads_data import GenerateConfig
-from mtp_heads.checkpoint import HeadMeta, load_heads, read_meta
+from mtp_heads.checkpoint import HeadMeta, default_heads_path, load_heads, read_meta
 from mtp_heads.evaluate import EvalSet, format_acceptance, teacher_forced_acceptance
 from mtp_heads.heads import MTPHeads
 from mtp_heads.pretrain import TrainConfig, train_heads
@@ -33,7 +33,6 @@ from mtp_heads.shipped import load_shipped_heads
 from mtp_heads.token_data import draft_vocab_from_counts, trained_token_counts
 from rollout.config_loader import config_help, load_config, wants_help
 from rollout.fileio import atomic_write
-from rollout.models.default_model import cache_dir
 
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
 DEFAULT_PRESET = "train_heads"          # for policies without shipped heads (self-generated data)
@@ -90,8 +89,8 @@ def load_train_heads_config(argv: list[str]) -> tuple[TrainHeadsConfig, str]:
 
 
 def default_out(model: str) -> Path:
-    from mtp_heads.checkpoint import _slug
-    return cache_dir() / "heads" / f"{_slug(model)}.safetensors"
+    """$MTP_ROLLOUT_CACHE/heads/<model>-D1-trained.safetensors: where trained-on-first-use heads are cached."""
+    return default_heads_path(model, 1, "trained")
 
 
 def open_data(cfg: TrainHeadsConfig, policy, loaded, progress: bool):

@@ -13,6 +13,7 @@ cosine shape over all steps. Checkpoints (heads + optimizer state) are written a
 """
 from __future__ import annotations
 
+import io
 import math
 import os
 import time
@@ -24,9 +25,10 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from mtp_heads.checkpoint import HeadMeta, _atomic_write, draft_vocab_of, load_heads, save_heads, set_draft_vocab
+from mtp_heads.checkpoint import HeadMeta, draft_vocab_of, load_heads, save_heads, set_draft_vocab
 from mtp_heads.distill import DistillBatch, DraftVocabMap, batch_from_sequences, check_objective, distill_loss
 from mtp_heads.heads import MTPHeads, init_heads
+from rollout.fileio import atomic_write
 from rollout.models.decoder import CausalLM
 
 
@@ -196,7 +198,9 @@ def save_training_checkpoint(path, heads: MTPHeads, opt: torch.optim.Optimizer, 
     loss = "+".join(f"{p.objective}:{p.steps}" for p in cfg.phases)
     save_heads(path, heads, HeadMeta.for_heads(heads, loss=loss, steps=step, **meta_defaults))
     state = {"step": step, "optimizer": opt.state_dict(), "config": asdict(cfg), "history": history}
-    _atomic_write(train_state_path(path), lambda tmp: torch.save(state, tmp))
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    atomic_write(train_state_path(path), buf.getvalue())
 
 
 # ----------------------------------------------------------------------------------- training

@@ -8,6 +8,7 @@ is one; `TokenData` below is the small in-memory one that self-generated rollout
 """
 from __future__ import annotations
 
+import io
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,8 +16,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from mtp_heads.checkpoint import _atomic_write
 from mtp_heads.distill import completion_mask
+from rollout.fileio import atomic_write
 
 
 @dataclass
@@ -66,11 +67,9 @@ class TokenData:
         return TokenData.concat(parts)
 
     def save(self, path: Path) -> None:
-        def write(tmp):
-            with open(tmp, "wb") as f:
-                np.savez(f, tokens=self.tokens, hidden=self.hidden, offsets=self.offsets,
-                         prompt_lens=self.prompt_lens)
-        _atomic_write(Path(path), write)
+        buf = io.BytesIO()
+        np.savez(buf, tokens=self.tokens, hidden=self.hidden, offsets=self.offsets, prompt_lens=self.prompt_lens)
+        atomic_write(Path(path), buf.getvalue())
 
     @classmethod
     def load(cls, path: Path) -> "TokenData":

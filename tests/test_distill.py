@@ -93,18 +93,10 @@ def test_completion_mask_and_step_masks():
     assert batch.labels(2, 4)[0].tolist() == [3, 4, 5, 0]
 
 
-def _cotrainer_config(**kw):
-    try:                                     # beside its class once the config moves (issue 8)
-        from trainers.cotrainer import CoTrainerConfig
-    except ImportError:
-        from rollout.accelerator import CoTrainerConfig
-    return CoTrainerConfig(**kw)
-
-
 def _cotrainer(policy, heads, **kw):
     from rollout.weights import pack
-    from trainers.cotrainer import HeadCoTrainer
-    cfg = _cotrainer_config(**{"batch_tokens": 100_000, "lr": 3e-3, **kw})
+    from trainers.cotrainer import CoTrainerConfig, HeadCoTrainer
+    cfg = CoTrainerConfig(**{"batch_tokens": 100_000, "lr": 3e-3, **kw})
     return HeadCoTrainer(cfg, policy.config, pack(policy.state_dict()), 0, pack(heads.state_dict()),
                          heads.num_depths, 0, seed=0)
 

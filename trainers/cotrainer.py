@@ -15,7 +15,6 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 import torch
@@ -53,6 +52,7 @@ class CoTrainerConfig:
     checkpoint_dir: str | None = None   # where the co-trainer checkpoints (a restart resumes from it); null: none
     temperature: float = 1.0            # temperature of the TV target p and student q (match the rollouts')
     max_restarts: int = 1               # automatic restarts of a dead co-trainer
+    unroll_steps: int = 0               # draft steps trained per chain (training-time test); 0 = max(depths, 3)
 
     def __post_init__(self) -> None:
         refresh = (self.refresh,) if isinstance(self.refresh, str) else tuple(self.refresh)
@@ -86,7 +86,7 @@ class HeadCoTrainer:
 
     def __init__(self, config: CoTrainerConfig, policy_config: ModelConfig, policy_weights: FlatWeights,
                  policy_version: int, head_weights: FlatWeights, num_depths: int, head_version: int = 0, *,
-                 seed: int = 0, num_threads: int | None = None, device: str = "cpu", unroll_steps: int | None = None):
+                 seed: int = 0, num_threads: int | None = None, device: str = "cpu"):
         check_objective(config.loss)
         if config.steps_per_refresh < 1 or config.batch_tokens < 1 or config.replay_capacity < 1:
             raise ValueError("steps_per_refresh, batch_tokens and replay_capacity must all be >= 1")
@@ -98,7 +98,7 @@ class HeadCoTrainer:
         self.policy_version = policy_version
         self.heads = heads_from_flat(policy_config, num_depths, head_weights, "float32", device).train()
         # the same draft steps (training-time test) and draft vocabulary as pre-training: mtp_heads.distill
-        self.unroll_steps = default_unroll_steps(num_depths) if unroll_steps is None else unroll_steps
+        self.unroll_steps = config.unroll_steps or default_unroll_steps(num_depths)
         self.head_version = head_version
         self.optimizer = torch.optim.AdamW(self.heads.parameters(), lr=config.lr, weight_decay=0.0)
         self.refresh_policy = build_refresh_policy(config)
