@@ -97,7 +97,7 @@ def open_data(cfg: TrainHeadsConfig, policy, loaded, progress: bool):
     """(train source, held-out source, description) from the token store or generated rollouts."""
     if cfg.data.store:
         from mtp_heads.data.token_store import TokenStore
-        store = TokenStore(cfg.data.store)
+        store = TokenStore(Path(cfg.data.store).expanduser())
         if store.meta.get("policy_fingerprint") not in (None, policy.config.fingerprint()):
             raise ValueError(f"token store {cfg.data.store} was built for another policy "
                              f"({store.meta.get('policy_fingerprint')}); rebuild it for {cfg.model}")
@@ -131,7 +131,7 @@ def run(cfg: TrainHeadsConfig, resolved: str = "", policy=None, loaded=None) -> 
         from rollout.models.loaders import load_model
         loaded = load_model(cfg.model)
         policy = build_model(loaded.config, loaded.state_dict)
-    out = Path(cfg.out) if cfg.out else default_out(cfg.model)
+    out = Path(cfg.out).expanduser() if cfg.out else default_out(cfg.model)
     train, held, data_desc = open_data(cfg, policy, loaded, cfg.progress)
     vocab = None if cfg.train.init.endswith(".safetensors") and not cfg.train.draft_vocab_size else \
         draft_vocab_for(cfg, policy, train)

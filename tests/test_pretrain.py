@@ -199,3 +199,70 @@ def test_identity_init_drafts_the_policys_own_next_token_distribution(policy, da
     torch.testing.assert_close(out[:, :-1], expected[:, :-1], atol=1e-4, rtol=1e-4)
     with pytest.raises(ValueError, match="unknown head init"):
         _cfg(init="zeros")
+
+
+def _tiny_run_cfg(tmp_path, **train):
+    from experiments.pretrain_heads import EvalConfig, TrainHeadsConfig
+    return TrainHeadsConfig(model="tiny", out=str(tmp_path / "h.safetensors"), progress=False,
+                            train=_cfg(draft_vocab_size=16, eval_every=2, **train),
+                            eval=EvalConfig(temperatures=[0.7, 1.0], steps=2, heldout_sequences=4, train_sequences=4))
+
+
+def test_train_heads_job_writes_heads_report_and_curve(policy, data, held_out, tmp_path, monkeypatch):
+    import json
+    import experiments.pretrain_heads as job
+    monkeypatch.setattr(job, "open_data", lambda cfg, policy, loaded, progress: (data, held_out, {"tiny": True}))
+    report = job.run(_tiny_run_cfg(tmp_path), "resolved: yaml\n", policy, None)
+    assert [h["step"] for h in report["history"]] == [2, 4]
+    assert set(report["final"]["heldout"]) == {0.7, 1.0} and set(report["final"]["train"]) == {0.7, 1.0}
+    saved = json.loads((tmp_path / "h.run.json").read_text())
+    assert saved["steps"] == 4 and len(saved["history"]) == 2
+    heads, meta = load_heads(tmp_path / "h.safetensors", policy)
+    assert meta.steps == 4 and meta.draft_vocab_size == len(draft_vocab_of(heads)) <= 17
+    from experiments.ship_heads import model_card
+    card = model_card(saved, meta, "tiny", "mtp-rollout train-heads x", 12.0, "abc123")
+    assert "| 1 | rejection |" in card and "abc123" in card and "| 4 |" in card
+
+
+def test_shipped_heads_load_without_training(policy, tmp_path, monkeypatch):
+    import experiments.pretrain_heads as job
+    import mtp_heads.shipped as shipped
+    from mtp_heads.checkpoint import HeadMeta, save_heads
+    heads = init_heads(policy, 1, seed=4).to(torch.bfloat16)
+    save_heads(tmp_path / "tiny.safetensors", heads, HeadMeta.for_heads(heads, loss="fkl:1+tv:1", steps=2))
+    monkeypatch.setattr(shipped, "SHIPPED_DIR", tmp_path)
+    monkeypatch.setattr(shipped, "SHIPPED", {"tiny": "tiny.safetensors"})
+    monkeypatch.setattr(job, "run", lambda *a, **k: pytest.fail("shipped heads must not train"))
+    got, meta = job.load_or_train_default_heads(policy, None, model_spec="tiny")
+    assert meta.steps == 2 and got.depths[0].eh_proj.weight.dtype == torch.float32
+    torch.testing.assert_close(got.depths[0].eh_proj.weight, heads.depths[0].eh_proj.weight.float())
+
+
+def test_other_policies_train_once_through_the_preset_then_load(policy, tmp_path, monkeypatch):
+    import experiments.pretrain_heads as job
+    from mtp_heads.checkpoint import HeadMeta, save_heads
+    monkeypatch.setenv("MTP_ROLLOUT_CACHE", str(tmp_path))
+    calls = []
+
+    def fake_run(cfg, resolved, policy, loaded):
+        calls.append(cfg)
+        heads = init_heads(policy, cfg.train.num_depths, seed=3)
+        save_heads(cfg.out, heads, HeadMeta.for_heads(heads, steps=cfg.train.total_steps))
+    monkeypatch.setattr(job, "run", fake_run)
+    a, meta = job.load_or_train_default_heads(policy, None, model_spec="other-model")
+    b, meta2 = job.load_or_train_default_heads(policy, None, model_spec="other-model")
+    assert len(calls) == 1 and calls[0].model == "other-model" and calls[0].data.store == ""
+    assert meta == meta2 and meta.steps == calls[0].train.total_steps
+
+
+def test_train_heads_cli_help_lists_every_key(capsys):
+    from experiments.pretrain_heads import TrainHeadsConfig, load_train_heads_config, main
+    from rollout.config_loader import config_keys
+    main(["--help"])
+    text = capsys.readouterr().out
+    for k in config_keys(TrainHeadsConfig):
+        assert k.key in text and k.help, k
+    cfg, _ = load_train_heads_config(["heads_smollm2", "train.phases=[{objective: tv, steps: 7}]", "train.seed=3"])
+    assert cfg.train.phases == [Phase("tv", 7)] and cfg.train.seed == 3 and cfg.train.num_depths == 1
+    with pytest.raises(ValueError, match="objectiv"):
+        load_train_heads_config(["train_heads", "train.phases=[{objectiv: tv}]"])
