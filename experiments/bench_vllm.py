@@ -6,7 +6,7 @@
 Runs, per batch size, `repeats` generations of the same chat prompts with: the torch engine
 (speculative, its own heads: all D depths), vLLM plain (k = 0) and vLLM speculative (depth 1 of
 the heads reused for k drafts). Prints median tokens/s, ratios against vLLM plain, acceptance
-rate / length / per position, and the cost of the teacher-forced entropy pass. The torch engine
+rate / length / per position. The torch engine
 runs first: starting vLLM lowers torch's thread count in this process. One vLLM instance at a time.
 """
 from __future__ import annotations
@@ -15,7 +15,6 @@ import argparse
 import json
 import platform
 import statistics
-import time
 
 import torch
 
@@ -24,7 +23,7 @@ from rollout.models.loaders import DEFAULT_MODEL, apply_chat_template
 from rollout.models.policy import load_policy
 from rollout.torch_engine import TorchEngine
 from rollout.types import DRAFT_MODES, SamplingParams, SpecDecodingStats
-from rollout.vllm_engine import ANALYSES, VLLMEngine, VLLMEngineConfig
+from rollout.vllm import VLLMEngine, VLLMEngineConfig
 
 PROMPTS = DEFAULT_PROMPTS + [
     "List four animals that live in the ocean.",
@@ -109,7 +108,7 @@ def main(argv=None) -> dict:
                                     "tau": st.acceptance_length, "per_pos": st.conditional_acceptance})
             print(f"torch spec  B={b}: {tps:7.1f} tok/s  {_fmt(st)}")
 
-    cfg = VLLMEngineConfig(enforce_eager=not args.compile, analysis="none", gpu_memory_utilization=args.gpu_mem_util)
+    cfg = VLLMEngineConfig(enforce_eager=not args.compile, gpu_memory_utilization=args.gpu_mem_util)
     for k in (0, args.k):
         eng = VLLMEngine(policy, heads, config=cfg)
         for b, prompts in by_batch.items():
@@ -122,14 +121,6 @@ def main(argv=None) -> dict:
             if k:   # vLLM's own counters for the last call, as a cross-check of the per-request ones
                 print(f"            vLLM counters (last call): {_fmt(eng.last_stats)}")
         eng.close()
-
-    # cost of the teacher-forced entropy pass (VLLMEngineConfig.analysis = "teacher_forced")
-    for b, prompts in by_batch.items():
-        outs = [list(range(100, 100 + args.max_new_tokens))] * b
-        t0 = time.perf_counter()
-        ANALYSES["teacher_forced"](policy, prompts, outs, SamplingParams(**sp))
-        results.setdefault("teacher_forced_s", {})[b] = time.perf_counter() - t0
-        print(f"teacher-forced entropy pass B={b}: {results['teacher_forced_s'][b]:.2f} s")
 
     rate = {(r["engine"], r["batch"]): r["tok_s"] for r in results["rows"]}
     for b in args.batch:

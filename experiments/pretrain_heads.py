@@ -33,6 +33,7 @@ from mtp_heads.shipped import load_shipped_heads
 from mtp_heads.token_data import draft_vocab_from_counts, trained_token_counts
 from rollout.config_loader import config_help, load_config, wants_help
 from rollout.fileio import atomic_write
+from rollout.run_dir import check_writable
 
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
 DEFAULT_PRESET = "train_heads"          # for policies without shipped heads (self-generated data)
@@ -126,12 +127,13 @@ def run(cfg: TrainHeadsConfig, resolved: str = "", policy=None, loaded=None) -> 
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     t0 = time.perf_counter()
+    out = Path(cfg.out).expanduser() if cfg.out else default_out(cfg.model)
+    check_writable(out.parent, "out directory")     # before the model, the data and minutes of training
     if policy is None:
         from rollout.models.decoder import build_model
         from rollout.models.loaders import load_model
         loaded = load_model(cfg.model)
         policy = build_model(loaded.config, loaded.state_dict)
-    out = Path(cfg.out).expanduser() if cfg.out else default_out(cfg.model)
     train, held, data_desc = open_data(cfg, policy, loaded, cfg.progress)
     vocab = None if cfg.train.init.endswith(".safetensors") and not cfg.train.draft_vocab_size else \
         draft_vocab_for(cfg, policy, train)

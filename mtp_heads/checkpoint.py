@@ -112,12 +112,18 @@ def read_meta(path: str | os.PathLike) -> HeadMeta:
     path = Path(path)
     if not path.is_file():
         raise ValueError(f"no head checkpoint at {path}; train one with `mtp-rollout train-heads`")
-    with safe_open(str(path), framework="pt") as f:
-        header = (f.metadata() or {}).get(META_KEY)
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            header = (f.metadata() or {}).get(META_KEY)
+    except Exception as e:  # noqa: BLE001 - safetensors' errors do not name the file
+        raise ValueError(f"{path} is not a readable head checkpoint ({type(e).__name__}: {e})") from None
     if header is None:
         raise ValueError(f"{path} is a safetensors file without an MTP-head header ({META_KEY!r}); "
                          "it was not written by mtp_heads.checkpoint.save_heads")
-    return HeadMeta.from_json(header)
+    try:
+        return HeadMeta.from_json(header)
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"{path}: the MTP-head header is not valid JSON metadata ({e})") from None
 
 
 def check_meta(meta: HeadMeta, policy: CausalLM, where: str | os.PathLike = "?") -> None:

@@ -26,7 +26,7 @@ from rollout.models.dtypes import parse_dtype
 from rollout.monitor import AcceptanceMonitor, MonitorConfig
 from rollout.published_weights import PublishedWeights
 from rollout.types import Completion, RolloutBatch, SamplingParams
-from rollout.weights import FlatWeights, pack
+from rollout.weights import FlatWeights, pack, unpack
 from rollout.worker_pool import WorkerPool
 from rollout.workers import WorkerConfig
 from trainers.cotrainer import CoTrainerConfig
@@ -93,13 +93,15 @@ def mean_entropy(comps: list[Completion]) -> float:
 class RolloutAccelerator:
     """Facade over the Ray actors; see module docstring. Build with from_config()."""
 
-    def __init__(self, cfg: AcceleratorConfig, policy: CausalLM, heads: MTPHeads, *, owns_ray: bool):
+    def __init__(self, cfg: AcceleratorConfig, policy: CausalLM, heads: MTPHeads, *, owns_ray: bool,
+                 policy_version: int = 0, head_version: int = 0):
         self.cfg = cfg
         self._owns_ray = owns_ray
         # generate() may run in a prefetch thread while the driver syncs weights or ends a step:
         # the lock keeps worker replacement, weight refs and the step's completions consistent.
         self._lock = threading.RLock()
-        self._weights = PublishedWeights(policy.config, policy.state_dict(), heads.state_dict(), heads.num_depths)
+        self._weights = PublishedWeights(policy.config, policy.state_dict(), heads.state_dict(), heads.num_depths,
+                                         policy_version=policy_version, head_version=head_version)
         self.monitor = AcceptanceMonitor(cfg.monitor)
         self._step = 0
         self._pool = WorkerPool(cfg.workers, self._weights, dtype=cfg.dtype, lock=self._lock,
@@ -119,7 +121,8 @@ class RolloutAccelerator:
 
     @classmethod
     def from_config(cls, cfg: AcceleratorConfig, *, policy: CausalLM | None = None,
-                    heads: MTPHeads | None = None) -> "RolloutAccelerator":
+                    heads: MTPHeads | None = None, policy_version: int = 0,
+                    head_version: int = 0) -> "RolloutAccelerator":
         """Start (or join) Ray, load the policy and heads unless given, start the actors."""
         owns_ray = not ray.is_initialized()
         if owns_ray:
@@ -134,7 +137,7 @@ class RolloutAccelerator:
             heads = (load_heads_for(cfg.heads_path, policy, cfg.num_depths) if cfg.heads_path
                      else init_heads(policy, cfg.num_depths, seed=cfg.seed))
         heads.check_compatible(policy)
-        return cls(cfg, policy, heads, owns_ray=owns_ray)
+        return cls(cfg, policy, heads, owns_ray=owns_ray, policy_version=policy_version, head_version=head_version)
 
     # -- state other code reads ---------------------------------------------------------------------
 
@@ -238,6 +241,11 @@ class RolloutAccelerator:
             self._pool.broadcast_heads(ref, version)
             self.monitor.record_event(self._step if step is None else step, "head_refresh",
                                       {"head_version": version, **detail})
+
+    def current_heads(self) -> tuple[dict[str, torch.Tensor], int]:
+        """The heads the workers run now and their version (what a run checkpoint saves)."""
+        with self._lock:
+            return unpack(ray.get(self._weights.heads_ref)), self.head_version
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait (up to timeout s in all) for the co-trainer's pending decisions; True if none is left."""

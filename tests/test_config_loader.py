@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import pytest
 
@@ -82,3 +83,27 @@ def test_help_lists_every_key_with_default_and_meaning():
         assert k.default in line and k.help in line
     assert "| `log_dir` | `${out_dir}/logs` | follows out_dir |" in keys_table(Job)
     assert wants_help(["x=1", "--help"]) and not wants_help(["x=1"])
+
+
+# -- the benchmarks that use it: their YAML loads and --help documents every key ----------------
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.parametrize("module,cls_name,yaml", [
+    ("experiments.bench_cotrainer", "BenchCotrainerConfig", "bench_cotrainer.yaml"),
+    ("experiments.bench_tv_loss", "BenchTVLossConfig", "bench_tv_loss.yaml"),
+])
+def test_benchmark_configs_load_and_help_documents_every_key(module, cls_name, yaml, capsys):
+    import importlib
+
+    mod = importlib.import_module(module)
+    cls = getattr(mod, cls_name)
+    cfg, resolved = load_config(cls, [str(ROOT / "configs" / yaml)])
+    assert isinstance(cfg, cls) and load_config(cls, [])[0] == cls()        # no argument: the defaults
+    assert [k.key for k in config_keys(cls) if not k.help] == []
+    mod.main(["--help"])
+    out = capsys.readouterr().out
+    assert all(f"{k.key} = {k.default}" in out for k in config_keys(cls))
+    with pytest.raises(ValueError, match="rounds|study"):
+        load_config(cls, ["rounds=0"] if "rounds" in resolved else ["study=speed"])

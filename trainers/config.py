@@ -68,12 +68,17 @@ class RunConfig:
     trainer_threads: int = 1           # torch threads of the GRPO update in the driver
     progress: bool = True              # tqdm progress line per step
     seed: int = 0                      # seed of the policy update, sampling and tiny models
+    resume: bool = False               # continue out_dir's run from its last checkpoint (README: When things go wrong)
+    checkpoint_every: int = 5          # steps between run checkpoints in <out_dir>/checkpoints/ (policy, optimizer,
+                                       # heads, co-trainer, logs); 0 = none
 
     def __post_init__(self) -> None:
         if self.steps < 1:
             raise ValueError(f"steps must be >= 1, got {self.steps}")
         if self.trainer_threads < 1:
             raise ValueError(f"trainer_threads must be >= 1, got {self.trainer_threads}")
+        if self.checkpoint_every < 0:
+            raise ValueError(f"checkpoint_every must be >= 0 (0 = no checkpoints), got {self.checkpoint_every}")
 
 
 def load_run_config(argv: list[str]) -> tuple[RunConfig, str]:

@@ -194,6 +194,29 @@ class HeadCoTrainer:
                 "replay_size": len(self.replay), "train_steps": self.train_steps,
                 "refreshes": list(self.history), "resumed_from": self.resumed_from, "pid": os.getpid()}
 
+    # -- a run's checkpoint (resume=true) -------------------------------------------------------
+
+    def state(self) -> dict:
+        """Everything a resumed run needs to continue as if never stopped (plain tensors and lists)."""
+        return {"heads": {k: v.detach().cpu().clone() for k, v in self.heads.state_dict().items()},
+                "optimizer": self.optimizer.state_dict(), "head_version": self.head_version,
+                "refresh_state": self.refresh_policy.state(), "history": list(self.history),
+                "train_steps": self.train_steps, "rng": list(self.rng.getstate()[1]),
+                "replay": [(torch.from_numpy(seq.copy()), int(plen)) for seq, plen in self.replay]}
+
+    def load_state(self, state: dict) -> None:
+        """Undo state(); rewrites checkpoint_dir so that a later restart resumes from this state."""
+        self.heads.load_state_dict(state["heads"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.head_version = int(state["head_version"])
+        self.refresh_policy.load_state(state["refresh_state"])
+        self.history = list(state["history"])
+        self.train_steps = int(state["train_steps"])
+        self.rng.setstate((3, tuple(state["rng"]), None))
+        self.replay.clear()
+        self.replay.extend((seq.numpy().astype(np.int64), plen) for seq, plen in state["replay"])
+        self._save_checkpoint()
+
     # -- checkpoints ---------------------------------------------------------------------------
 
     def _save_checkpoint(self) -> None:
