@@ -15,6 +15,8 @@ Writes the heads (safetensors + .json header), `<out>.train.pt` (optimizer state
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import io
 import json
 import resource
 import sys
@@ -33,6 +35,7 @@ from mtp_heads.shipped import load_shipped_heads
 from mtp_heads.token_data import draft_vocab_from_counts, trained_token_counts
 from rollout.config_loader import config_help, load_config, wants_help
 from rollout.fileio import atomic_write
+from rollout.models.default_model import cache_dir
 from rollout.run_dir import check_writable
 
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
@@ -55,8 +58,8 @@ class EvalConfig:
 
     temperatures: list[float] = field(default_factory=lambda: [0.7, 1.0])   # sampling temperatures scored
     steps: int = 3                      # draft positions scored (k)
-    heldout_sequences: int = 200        # held-out sequences scored (first n of the split)
-    train_sequences: int = 64           # training sequences scored too: the train/held-out gap
+    heldout_sequences: int = 16         # held-out sequences scored (first n of the split)
+    train_sequences: int = 16           # training sequences scored too: the train/held-out gap
     max_seq_len: int = 512              # evaluation sequences are cut to this many tokens
     engine_prompts: int = 0             # held-out chat prompts decoded by the torch engine at the end (0 = skip)
     engine_new_tokens: int = 64         # new tokens per engine prompt
@@ -114,6 +117,24 @@ def open_data(cfg: TrainHeadsConfig, policy, loaded, progress: bool):
                          "train_sequences": len(train), "heldout_sequences": len(held)}
 
 
+def cached_eval_set(policy, source, ev: EvalConfig, n: int, key: dict) -> EvalSet:
+    """EvalSet.build, reused across runs on the same data (the full-vocabulary normaliser is the
+    expensive part): $MTP_ROLLOUT_CACHE/eval_sets/<hash of data, sequences, settings>.pt."""
+    blob = json.dumps({"key": key, "n": min(n, len(source)), "len": ev.max_seq_len, "T": ev.temperatures,
+                       "policy": policy.config.fingerprint(), "lengths": [len(source[i].tokens) for i in
+                                                                          range(min(n, len(source)))]},
+                      sort_keys=True, default=str)
+    path = cache_dir() / "eval_sets" / f"{hashlib.sha256(blob.encode()).hexdigest()[:20]}.pt"
+    if path.is_file():
+        raw = torch.load(path, weights_only=False)
+        return EvalSet(raw["batches"], raw["lse"])
+    es = EvalSet.build(policy, source, ev.temperatures, max_sequences=n, max_seq_len=ev.max_seq_len)
+    buf = io.BytesIO()
+    torch.save({"batches": es.batches, "lse": es.lse}, buf)
+    atomic_write(path, buf.getvalue())
+    return es
+
+
 def draft_vocab_for(cfg: TrainHeadsConfig, policy, train) -> torch.Tensor | None:
     V = policy.config.vocab_size
     if not 0 < cfg.train.draft_vocab_size < V:
@@ -139,10 +160,9 @@ def run(cfg: TrainHeadsConfig, resolved: str = "", policy=None, loaded=None) -> 
         draft_vocab_for(cfg, policy, train)
     t_eval = time.perf_counter()
     ev = cfg.eval
-    held_set = EvalSet.build(policy, held, ev.temperatures, max_sequences=ev.heldout_sequences,
-                             max_seq_len=ev.max_seq_len)
-    train_set = EvalSet.build(policy, train, ev.temperatures, max_sequences=ev.train_sequences,
-                              max_seq_len=ev.max_seq_len) if ev.train_sequences else None
+    held_set = cached_eval_set(policy, held, ev, ev.heldout_sequences, {"split": "heldout", **data_desc})
+    train_set = cached_eval_set(policy, train, ev, ev.train_sequences, {"split": "train", **data_desc}) \
+        if ev.train_sequences else None
     eval_build_s = time.perf_counter() - t_eval
     eval_seconds = [0.0]
 

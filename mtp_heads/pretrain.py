@@ -39,11 +39,14 @@ class Phase:
     objective: str = "tv"     # a key of mtp_heads.distill.OBJECTIVES
     steps: int = 100          # optimiser steps in this phase
     lr: float = 2e-3          # peak learning rate of this phase (times the warm-up/cosine shape)
+    unroll_steps: int = 0     # draft steps trained in this phase (0 = train.unroll_steps): a cheap 1-step
+                              # phase before the training-time-test phase costs a third per token
 
     def __post_init__(self) -> None:
         check_objective(self.objective)
-        if self.steps < 0 or not self.lr > 0:
-            raise ValueError(f"a phase needs steps >= 0 and lr > 0, got steps={self.steps}, lr={self.lr}")
+        if self.steps < 0 or not self.lr > 0 or self.unroll_steps < 0:
+            raise ValueError(f"a phase needs steps >= 0, lr > 0 and unroll_steps >= 0, got steps={self.steps}, "
+                             f"lr={self.lr}, unroll_steps={self.unroll_steps}")
 
 
 def _default_phases() -> list[Phase]:
@@ -180,8 +183,9 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
 def step_loss(heads: MTPHeads, policy: CausalLM, batch: DistillBatch, cfg: TrainConfig, step: int,
               vocab: DraftVocabMap):
     """The loss of one pre-training step: the current phase's objective through the distillation core."""
-    return distill_loss(heads, policy, batch, cfg.phase_at(step).objective, vocab, temperature=cfg.temperature,
-                        steps=cfg.unroll_steps)
+    phase = cfg.phase_at(step)
+    return distill_loss(heads, policy, batch, phase.objective, vocab, temperature=cfg.temperature,
+                        steps=max(phase.unroll_steps or cfg.unroll_steps, cfg.num_depths))
 
 
 # ----------------------------------------------------------------------------------- checkpoints
@@ -195,7 +199,7 @@ def save_training_checkpoint(path, heads: MTPHeads, opt: torch.optim.Optimizer, 
                              meta_defaults: dict, history: list[dict]) -> None:
     """Heads (safetensors + JSON), then the optimizer state, each written atomically; the state
     names its step, so a crash between the two is detected on resume."""
-    loss = "+".join(f"{p.objective}:{p.steps}" for p in cfg.phases)
+    loss = "+".join(f"{p.objective}:{p.steps}" + (f"@k{p.unroll_steps}" if p.unroll_steps else "") for p in cfg.phases)
     save_heads(path, heads, HeadMeta.for_heads(heads, loss=loss, steps=step, **meta_defaults))
     state = {"step": step, "optimizer": opt.state_dict(), "config": asdict(cfg), "history": history}
     buf = io.BytesIO()

@@ -101,6 +101,12 @@ def test_phases_continue_weights_and_optimizer(policy, data):
     assert two.losses[:3] == first.losses       # phase 2 continues from phase 1's state
     with pytest.raises(ValueError, match="unknown objective"):
         Phase("mse", 3)
+    # a phase may train fewer draft steps (a cheap warm-up before training-time test)
+    from mtp_heads.pretrain import step_loss
+    cheap = _cfg(unroll_steps=3, phases=[Phase("tv", 1, unroll_steps=1), Phase("tv", 1)])
+    batch = batch_for_step(data, cheap, 0, "cpu")
+    heads, vocab = init_heads(policy, 1, seed=0), DraftVocabMap.build(policy, None)
+    assert step_loss(heads, policy, batch, cheap, 0, vocab).rows < step_loss(heads, policy, batch, cheap, 1, vocab).rows
 
 
 def test_resume_equals_uninterrupted(policy, data, tmp_path):
@@ -211,6 +217,7 @@ def _tiny_run_cfg(tmp_path, **train):
 def test_train_heads_job_writes_heads_report_and_curve(policy, data, held_out, tmp_path, monkeypatch):
     import json
     import experiments.pretrain_heads as job
+    monkeypatch.setenv("MTP_ROLLOUT_CACHE", str(tmp_path / "cache"))
     monkeypatch.setattr(job, "open_data", lambda cfg, policy, loaded, progress: (data, held_out, {"tiny": True}))
     report = job.run(_tiny_run_cfg(tmp_path), "resolved: yaml\n", policy, None)
     assert [h["step"] for h in report["history"]] == [2, 4]
