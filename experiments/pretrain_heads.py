@@ -49,6 +49,7 @@ class DataConfig:
     store: str = ""                     # token store root (experiments/build_head_data.py); "" = generate rollouts
     sources: list[str] = field(default_factory=lambda: ["sharegpt", "onpolicy"])   # store sources used
     vocab_count_sequences: int = 4000   # training sequences whose trained tokens are counted for the draft vocab
+    max_train_sequences: int = 0        # use only the first n training sequences (0 = all): pins a growing store
     generate: GenerateConfig = field(default_factory=GenerateConfig)   # rollouts when there is no store
 
 
@@ -97,6 +98,21 @@ def default_out(model: str) -> Path:
     return default_heads_path(model, 1, "trained")
 
 
+class FirstN:
+    """The first n sequences of a source (a store split keeps growing while it is built)."""
+
+    def __init__(self, source, n: int):
+        self.source, self.n = source, n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int):
+        if not 0 <= i < self.n:
+            raise IndexError(i)
+        return self.source[i]
+
+
 def open_data(cfg: TrainHeadsConfig, policy, loaded, progress: bool):
     """(train source, held-out source, description) from the token store or generated rollouts."""
     if cfg.data.store:
@@ -107,13 +123,17 @@ def open_data(cfg: TrainHeadsConfig, policy, loaded, progress: bool):
                              f"({store.meta.get('policy_fingerprint')}); rebuild it for {cfg.model}")
         src = tuple(cfg.data.sources)
         train, held = store.split("train", sources=src), store.split("heldout", sources=src)
-        desc = {"store": cfg.data.store, "sources": list(src), "train_tokens": store.num_tokens("train", src),
-                "train_loss_tokens": store.num_loss_tokens("train", src), "train_sequences": len(train),
-                "heldout_sequences": len(held)}
+        if 0 < cfg.data.max_train_sequences < len(train):
+            train = FirstN(train, cfg.data.max_train_sequences)
+        n_tok = int(sum(len(train[i].tokens) for i in range(len(train)))) if isinstance(train, FirstN) else \
+            store.num_tokens("train", src)
+        desc = {"store": cfg.data.store, "sources": list(src), "train_tokens": n_tok,
+                "train_sequences": len(train), "heldout_sequences": len(held),
+                "heldout_tokens": store.num_tokens("heldout", src)}
         return train, held, desc
     from experiments.heads_data import prepare_generated_data
     train, held = prepare_generated_data(policy, loaded, cfg.data.generate, progress=progress)
-    return train, held, {"generated": asdict(cfg.data.generate), "train_loss_tokens": train.num_completion_tokens(),
+    return train, held, {"generated": asdict(cfg.data.generate), "train_tokens": int(train.offsets[-1]),
                          "train_sequences": len(train), "heldout_sequences": len(held)}
 
 
@@ -160,8 +180,9 @@ def run(cfg: TrainHeadsConfig, resolved: str = "", policy=None, loaded=None) -> 
         draft_vocab_for(cfg, policy, train)
     t_eval = time.perf_counter()
     ev = cfg.eval
-    held_set = cached_eval_set(policy, held, ev, ev.heldout_sequences, {"split": "heldout", **data_desc})
-    train_set = cached_eval_set(policy, train, ev, ev.train_sequences, {"split": "train", **data_desc}) \
+    where = {k: data_desc.get(k) for k in ("store", "sources", "generated")}   # not the (growing) sizes
+    held_set = cached_eval_set(policy, held, ev, ev.heldout_sequences, {"split": "heldout", **where})
+    train_set = cached_eval_set(policy, train, ev, ev.train_sequences, {"split": "train", **where}) \
         if ev.train_sequences else None
     eval_build_s = time.perf_counter() - t_eval
     eval_seconds = [0.0]
