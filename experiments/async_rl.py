@@ -47,14 +47,15 @@ DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "async_rl.yam
 
 
 def _pretrained_heads(policy: Policy, cfg: RunConfig) -> MTPHeads:
-    """The cached result of `mtp-rollout train-heads` for this model; trained (and cached) first if missing."""
-    from mtp_heads.pretrain import PretrainPlan, TrainConfig, load_or_train_default_heads
+    """The heads shipped for this model (mtp_heads.shipped); for other models the cached result of
+    `mtp-rollout train-heads`, trained (and cached) first if missing."""
+    from experiments.pretrain_heads import load_or_train_default_heads
 
     acc = cfg.accelerator
     if policy.loaded is None:
         raise ValueError(f"heads=pretrained needs a real model with a tokenizer, not {acc.model!r}; use heads=init")
-    plan = PretrainPlan(model=acc.model, train=TrainConfig(num_depths=acc.num_depths, loss=acc.cotrainer.loss))
-    heads, meta = load_or_train_default_heads(policy.model, policy.loaded, model_spec=acc.model, plan=plan,
+    heads, meta = load_or_train_default_heads(policy.model, policy.loaded, model_spec=acc.model,
+                                              overrides=(f"train.num_depths={acc.num_depths}",),
                                               progress=cfg.progress)
     logger.info("pre-trained heads: %d depths, %s loss, %d steps", meta.num_depths, meta.loss, meta.steps)
     return heads
@@ -123,14 +124,15 @@ def check_finite_config(cfg, prefix: str = "") -> None:
 
 def check_paths(cfg: RunConfig) -> None:
     """Caches the run will write into must be writable now, not after minutes of work."""
-    from mtp_heads.checkpoint import default_heads_path
+    from experiments.pretrain_heads import default_out
+    from mtp_heads.shipped import shipped_heads_path
     from rollout.models.default_model import cache_dir, needs_download
 
     acc = cfg.accelerator
     if acc.model == DEFAULT_MODEL and needs_download():
         check_writable(cache_dir(), "the model cache ($MTP_ROLLOUT_CACHE)")
-    if cfg.heads == "pretrained":
-        path = default_heads_path(acc.model, acc.num_depths, acc.cotrainer.loss)
+    if cfg.heads == "pretrained" and shipped_heads_path(acc.model) is None:
+        path = default_out(acc.model)
         if not path.is_file():
             check_writable(path.parent, "the heads cache ($MTP_ROLLOUT_CACHE/heads), where heads=pretrained saves")
 

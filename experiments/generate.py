@@ -27,12 +27,14 @@ DEFAULT_PROMPTS = [
 
 
 def resolve_heads(policy: CausalLM, model: str, spec: str, num_depths: int) -> tuple[MTPHeads, str]:
-    """spec: a checkpoint path, 'init' (copy of the policy's last layer), or 'auto' (cached
-    pre-trained heads for this model when `mtp-rollout train-heads` has run, else 'init')."""
-    from mtp_heads.checkpoint import default_heads_path, load_heads
+    """spec: a checkpoint path, 'init' (copy of the policy's last layer), or 'auto' (the heads
+    shipped for this model, else the cached result of `mtp-rollout train-heads`, else 'init')."""
+    from experiments.pretrain_heads import default_out
+    from mtp_heads.checkpoint import load_heads
+    from mtp_heads.shipped import shipped_heads_path
 
     if spec == "auto":
-        path = default_heads_path(model, num_depths, TrainConfig.loss)
+        path = shipped_heads_path(model) or default_out(model)
         spec = str(path) if path.is_file() else "init"
     if spec == "init":
         return init_heads(policy, num_depths), "init (untrained: expect low acceptance)"

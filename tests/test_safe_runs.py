@@ -132,8 +132,8 @@ def test_unwritable_paths_fail_before_work(tmp_path, capsys):
         assert cli.main(["run", SMOKE, f"out_dir={tmp_path / 'r'}", "heads=pretrained"]) == 2
         assert "heads cache" in error_lines(capsys.readouterr().err)[0]
         t0 = time.perf_counter()
-        assert cli.main(["train-heads", "--model", "/nonexistent", "--out", str(blocker / "h.safetensors")]) == 2
-        assert "--out directory" in error_lines(capsys.readouterr().err)[0]
+        assert cli.main(["train-heads", "model=/nonexistent", f"out={blocker / 'h.safetensors'}"]) == 2
+        assert "out directory" in error_lines(capsys.readouterr().err)[0]
         assert time.perf_counter() - t0 < 30
     finally:
         if old is None:
@@ -247,7 +247,7 @@ def test_train_heads_main_returns_a_report_and_exits_0(monkeypatch):
     """The real module's main returns a dict; the CLI must turn that into exit status 0."""
     import experiments.pretrain_heads as ph
     monkeypatch.setattr(ph, "main", lambda argv: {"train": {"steps": 1}})
-    assert cli.main(["train-heads", "--steps", "1"]) == 0
+    assert cli.main(["train-heads", "train.phases=[{objective: tv, steps: 1}]"]) == 0
 
 
 # ------------------------------------------------------------------ clean-ray
