@@ -7,7 +7,7 @@ import torch
 
 from experiments.async_rl import main
 from rollout.monitor import AcceptanceMonitor
-from rollout.ray_guard import local_ray
+from rollout.ray_guard import local_ray as guarded_ray
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
@@ -16,7 +16,7 @@ pytestmark = [pytest.mark.ray, pytest.mark.slow]
 @pytest.fixture(scope="module")
 def local_ray():
     threads = torch.get_num_threads()
-    with local_ray(num_cpus=2, log_to_driver=False):     # retries a start that timed out on a loaded machine
+    with guarded_ray(num_cpus=2, log_to_driver=False):     # retries a start that timed out on a loaded machine
         yield
     torch.set_num_threads(threads)
 
