@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -27,6 +28,8 @@ from pathlib import Path
 import psutil
 
 GRACE_S = 3.0
+
+logger = logging.getLogger(__name__)
 
 
 def records_dir() -> Path:
@@ -113,6 +116,11 @@ def start_guard() -> subprocess.Popen:
                             start_new_session=True, close_fds=True)
 
 
+def stop_ray_descendants() -> int:
+    """Stop the Ray processes this process started (what a failed ray.init leaves behind)."""
+    return stop_processes({p.pid: p.create_time() for p in psutil.Process().children(recursive=True) if _is_ray(p)})
+
+
 def stop_guard(guard: subprocess.Popen, timeout: float = 15.0) -> None:
     """After a normal ray.shutdown(): the guard stops what is left of Ray, then exits."""
     if guard.poll() is None:
@@ -135,7 +143,17 @@ def local_ray(address: str | None = None, **init_kwargs):
         return
     guard = start_guard() if address is None else None
     try:
-        ray.init(address=address, include_dashboard=False, **init_kwargs)
+        for attempt in (1, 2):
+            try:
+                ray.init(address=address, include_dashboard=False, **init_kwargs)
+                break
+            except Exception as e:  # noqa: BLE001 - Ray raises a bare Exception for a slow start
+                if attempt == 2 or address is not None or "timed out during startup" not in str(e):
+                    raise
+                # Ray waits a fixed 30 s for its raylet; on an overloaded machine that is not enough
+                logger.warning("local Ray did not start in time (%s); stopping its processes, retrying once", e)
+                ray.shutdown()
+                stop_ray_descendants()
         yield
     finally:
         if ray.is_initialized():
