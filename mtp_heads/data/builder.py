@@ -117,7 +117,8 @@ def add_rollouts(writer: StoreWriter, rollouts: Sequence[tuple[Sequence[int], to
 
     rollouts: (tokens [T] ids, hidden [T, d] the policy's final-norm states (float tensor, or
     uint16 bf16 bits), prompt_len, key) each; key (e.g. the prompt text) decides the split
-    with the same rule as every other source. One shard per split per call.
+    with the same rule as every other source. One shard per split per call; one process at a
+    time adds rollouts to a store. Typical use: add_rollouts(StoreWriter.existing(root), batch).
     """
     by_split: dict[str, list] = {"train": [], "heldout": []}
     for tokens, hidden, prompt_len, key in rollouts:
