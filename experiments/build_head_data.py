@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from mtp_heads.data.builder import build_shards
+from mtp_heads.data.builder import Example, build_shards
 from mtp_heads.data.onpolicy import mix_prompts, onpolicy_examples, sharegpt_prompts, task_prompts
 from mtp_heads.data.sharegpt import ChatEncoder, load_conversations, split_conversations
 from mtp_heads.data.token_store import StoreWriter, TokenStore
@@ -191,7 +191,6 @@ def build(cfg: HeadDataConfig) -> None:
     sg = cfg.sharegpt
 
     def encode(chunk, _shard):
-        from mtp_heads.data.builder import Example
         out = []
         for c in chunk:
             r = encoder.encode(c.messages, cfg.max_len)

@@ -136,7 +136,7 @@ def test_rollout_hook_appends_rollouts_in_the_store_format(tmp_path, tiny_policy
         hidden = tiny_policy.hidden_states(tokens[None])[0]              # [T, d] as the engine returns
         rollouts.append((tokens.tolist(), hidden, 5, f"prompt {i}"))
     names = add_rollouts(writer, rollouts, heldout_fraction=0.2)
-    names += add_rollouts(writer, rollouts[:3], heldout_fraction=0.2)
+    names += add_rollouts(StoreWriter.existing(tmp_path), rollouts[:3], heldout_fraction=0.2)
     assert len(set(names)) == len(names) and "rollout-train-00001" in names
     store = TokenStore(tmp_path)
     seqs = list(store.split("train", sources=["rollout"])) + list(store.split("heldout"))

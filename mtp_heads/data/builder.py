@@ -42,7 +42,7 @@ class BuildReport:
     shards_rebuilt: int = 0
     tokens: int = 0            # in the (source, split) after the build
     tokens_built: int = 0      # teacher-forced by this call
-    seconds: float = 0.0
+    seconds: float = 0.0       # spent building shards
 
     @property
     def tokens_per_s(self) -> float:
@@ -62,7 +62,7 @@ def build_shards(writer: StoreWriter, policy: CausalLM, *, source: str, split: s
     params = {**(params or {}), "items_per_shard": items_per_shard, "num_items": len(items)}
     if source not in SOURCES:
         raise ValueError(f"unknown source {source!r}; expected one of {SOURCES}")
-    report, t_start = BuildReport(source, split), time.perf_counter()
+    report = BuildReport(source, split)
     num_shards = -(-len(items) // items_per_shard)
     for i in range(num_shards):
         if report.tokens >= target_tokens:
@@ -99,7 +99,6 @@ def build_shards(writer: StoreWriter, policy: CausalLM, *, source: str, split: s
         log(f"shard {name}: {entry['num_sequences']} seqs, {entry['num_tokens']} tokens "
             f"({entry['num_loss_tokens']} in the loss) in {dt:.0f} s = {entry['num_tokens'] / dt:.0f} tok/s; "
             f"{source}/{split} now {report.tokens} tokens")
-    report.seconds = report.seconds or (time.perf_counter() - t_start if report.shards_built else 0.0)
     return report
 
 
@@ -117,7 +116,8 @@ def add_rollouts(writer: StoreWriter, rollouts: Sequence[tuple[Sequence[int], to
 
     rollouts: (tokens [T] ids, hidden [T, d] the policy's final-norm states (float tensor, or
     uint16 bf16 bits), prompt_len, key) each; key (e.g. the prompt text) decides the split
-    with the same rule as every other source. One shard per split per call.
+    with the same rule as every other source. One shard per split per call; one process at a
+    time adds rollouts to a store. Typical use: add_rollouts(StoreWriter.existing(root), batch).
     """
     by_split: dict[str, list] = {"train": [], "heldout": []}
     for tokens, hidden, prompt_len, key in rollouts:

@@ -17,6 +17,7 @@ Reading (what `distill` codes against)::
     seq.loss_mask  # [T] bool, True where tokens[t+1] is assistant/completion text (last is False)
     seq.source     # "sharegpt" | "onpolicy" | "rollout";  seq.key: conversation / prompt id
     train.lengths()                           # [n] int64, for batching by length
+    add_rollouts(StoreWriter.existing(root), [(tokens, hidden, prompt_len, key), ...])   # builder.py
     for seq in train: ...
 
 A corrupt or partial shard raises CorruptShardError naming it (TokenStore(root,
@@ -166,6 +167,12 @@ class StoreWriter:
                 atomic_write(path, json.dumps({"format": FORMAT_VERSION, "meta": meta, "shards": {}},
                                                    indent=1, sort_keys=True))
         self.meta = meta
+
+    @classmethod
+    def existing(cls, root: str | os.PathLike) -> "StoreWriter":
+        """A writer for a store that exists, with its own meta (e.g. the co-trainer adding rollouts;
+        check store.meta["policy_fingerprint"] against the policy first)."""
+        return cls(root, read_manifest(Path(root).expanduser())["meta"])
 
     @contextmanager
     def _locked(self):
