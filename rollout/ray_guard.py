@@ -28,6 +28,7 @@ from pathlib import Path
 import psutil
 
 GRACE_S = 3.0
+START_ATTEMPTS = 3     # ray.init of a local Ray, when its raylet does not register within Ray's fixed 30 s
 
 logger = logging.getLogger(__name__)
 
@@ -143,15 +144,15 @@ def local_ray(address: str | None = None, **init_kwargs):
         return
     guard = start_guard() if address is None else None
     try:
-        for attempt in (1, 2):
+        for attempt in range(1, START_ATTEMPTS + 1):
             try:
                 ray.init(address=address, include_dashboard=False, **init_kwargs)
                 break
             except Exception as e:  # noqa: BLE001 - Ray raises a bare Exception for a slow start
-                if attempt == 2 or address is not None or "timed out during startup" not in str(e):
+                if attempt == START_ATTEMPTS or address is not None or "timed out during startup" not in str(e):
                     raise
                 # Ray waits a fixed 30 s for its raylet; on an overloaded machine that is not enough
-                logger.warning("local Ray did not start in time (%s); stopping its processes, retrying once", e)
+                logger.warning("local Ray did not start in time (%s); stopping its processes, retrying", e)
                 ray.shutdown()
                 stop_ray_descendants()
         yield
