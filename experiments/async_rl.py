@@ -10,6 +10,7 @@ tb/ / PNGs, and rl.jsonl + rl_over_steps.png with reward and entropy per task do
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -20,15 +21,24 @@ from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
+import ray
 import torch
+from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
+from experiments.run_state import (CHECKPOINTS, LOGS, MONITOR_STATE, Checkpoint, latest_checkpoint, rewind_run_dir,
+                                   save_checkpoint)
 from mtp_heads.heads import MTPHeads, init_heads
 from rollout.accelerator import RolloutAccelerator
+from rollout.models.loaders import DEFAULT_MODEL
+from rollout.ray_guard import local_ray
+from rollout.run_dir import RunLock, check_writable, read_json, read_jsonl
 from rollout.types import RolloutBatch
-from trainers.config import RunConfig, load_config, write_resolved
+from rollout.config_loader import config_help, wants_help, write_resolved
+from rollout.weights import heads_from_flat, pack
+from trainers.config import USAGE, RunConfig, load_run_config
 from trainers.grpo import GRPOTrainer, Prefetcher
-from trainers.policy import Policy, load_policy
+from trainers.policy import Policy, load_rl_policy
 from trainers.tasks import Task, TaskSampler, score
 
 logger = logging.getLogger(__name__)
@@ -37,14 +47,15 @@ DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "async_rl.yam
 
 
 def _pretrained_heads(policy: Policy, cfg: RunConfig) -> MTPHeads:
-    """The cached result of `mtp-rollout train-heads` for this model; trained (and cached) first if missing."""
-    from mtp_heads.pretrain import PretrainPlan, TrainConfig, load_or_train_default_heads
+    """The heads shipped for this model (mtp_heads.shipped); for other models the cached result of
+    `mtp-rollout train-heads`, trained (and cached) first if missing."""
+    from experiments.pretrain_heads import load_or_train_default_heads
 
     acc = cfg.accelerator
     if policy.loaded is None:
         raise ValueError(f"heads=pretrained needs a real model with a tokenizer, not {acc.model!r}; use heads=init")
-    plan = PretrainPlan(model=acc.model, train=TrainConfig(num_depths=acc.num_depths, loss=acc.cotrainer.loss))
-    heads, meta = load_or_train_default_heads(policy.model, policy.loaded, model_spec=acc.model, plan=plan,
+    heads, meta = load_or_train_default_heads(policy.model, policy.loaded, model_spec=acc.model,
+                                              overrides=(f"train.num_depths={acc.num_depths}",),
                                               progress=cfg.progress)
     logger.info("pre-trained heads: %d depths, %s loss, %d steps", meta.num_depths, meta.loss, meta.steps)
     return heads
@@ -78,26 +89,162 @@ def _fmt(x) -> str:
     return "nan" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.3g}"
 
 
-def run(cfg: RunConfig, resolved) -> Path:
-    run_dir = Path(cfg.out_dir)
-    if (run_dir / "monitor.jsonl").exists():
-        raise ValueError(f"{run_dir} already holds a run; pass another out_dir=...")
-    write_resolved(resolved, run_dir)
-    torch.manual_seed(cfg.seed)
-    torch.set_num_threads(cfg.trainer_threads)
-    policy = load_policy(cfg.accelerator.model, cfg.accelerator.dtype, cfg.seed)
+def check_config(cfg: RunConfig) -> None:
+    """Every check that needs no model: run before the lock, any file or Ray. Errors name the key."""
+    check_finite_config(cfg)
     if cfg.heads not in HEAD_SOURCES:
         raise ValueError(f"heads={cfg.heads!r} is unknown; choose one of {sorted(HEAD_SOURCES)}")
-    heads = HEAD_SOURCES[cfg.heads](policy, cfg)
+    acc = cfg.accelerator
+    if cfg.heads == "path" and not acc.heads_path:
+        raise ValueError("heads=path needs accelerator.heads_path=<head checkpoint file>")
+    if acc.heads_path and cfg.heads != "path":
+        raise ValueError(f"accelerator.heads_path={acc.heads_path!r} is set but heads={cfg.heads!r} would ignore "
+                         "it; pass heads=path to use the file, or drop accelerator.heads_path")
+    if acc.heads_path:
+        from mtp_heads.checkpoint import read_meta
+        read_meta(acc.heads_path)                       # exists and has a readable header
+    for step in sorted({0, cfg.steps - 1}):             # the temperature schedule's ends
+        try:
+            cfg.sampling.params(step, cfg.steps, cfg.seed).validate()
+        except ValueError as e:
+            raise ValueError(f"config key sampling.{e} (at step {step})") from None
+
+
+def check_finite_config(cfg, prefix: str = "") -> None:
+    """NaN or inf in any number of a (nested) config dataclass is an error naming the key."""
+    for f in dataclasses.fields(cfg):
+        v, key = getattr(cfg, f.name), f"{prefix}{f.name}"
+        if dataclasses.is_dataclass(v):
+            check_finite_config(v, f"{key}.")
+        elif isinstance(v, float) and not math.isfinite(v):
+            raise ValueError(f"config key {key} must be a finite number, got {v}")
+        elif isinstance(v, (tuple, list)) and any(isinstance(x, float) and not math.isfinite(x) for x in v):
+            raise ValueError(f"config key {key} must hold finite numbers, got {list(v)}")
+
+
+def check_paths(cfg: RunConfig) -> None:
+    """Caches the run will write into must be writable now, not after minutes of work."""
+    from experiments.pretrain_heads import default_out
+    from mtp_heads.shipped import shipped_heads_path
+    from rollout.models.default_model import cache_dir, needs_download
+
+    acc = cfg.accelerator
+    if acc.model == DEFAULT_MODEL and needs_download():
+        check_writable(cache_dir(), "the model cache ($MTP_ROLLOUT_CACHE)")
+    if cfg.heads == "pretrained" and shipped_heads_path(acc.model) is None:
+        path = default_out(acc.model)
+        if not path.is_file():
+            check_writable(path.parent, "the heads cache ($MTP_ROLLOUT_CACHE/heads), where heads=pretrained saves")
+
+
+def check_lengths(cfg: RunConfig, policy: Policy) -> None:
+    """Prompt + max_new_tokens must fit the model's context (step 0's prompts; tasks are alike)."""
+    context = policy.model.config.max_position_embeddings
+    longest = max(len(policy.codec.encode_prompt(t.prompt))
+                  for t in TaskSampler(cfg.tasks).sample(cfg.grpo.prompts_per_step, 0))
+    if longest + cfg.sampling.max_new_tokens > context:
+        raise ValueError(f"config key sampling.max_new_tokens={cfg.sampling.max_new_tokens} is too large: with "
+                         f"prompts of up to {longest} tokens it exceeds the model's context of {context} tokens")
+
+
+def holds_run(run_dir: Path) -> list[str]:
+    """What makes out_dir a run's directory (empty logs of a run that failed to start do not)."""
+    return [n for n in ("config.yaml", CHECKPOINTS) if (run_dir / n).exists()] + \
+        [n for n in LOGS if (run_dir / n).exists() and (run_dir / n).stat().st_size > 0]
+
+
+def _flat(node, prefix: str = ""):
+    for k, v in node.items():
+        if isinstance(v, dict):
+            yield from _flat(v, f"{prefix}{k}.")
+        else:
+            yield f"{prefix}{k}", v
+
+
+def check_resume(cfg: RunConfig, resolved, run_dir: Path) -> None:
+    """A resumed run must be the same run: same config but for these keys."""
+    saved_path = run_dir / "config.yaml"
+    if not saved_path.is_file():
+        raise ValueError(f"resume=true but out_dir {run_dir} holds no run to resume (no config.yaml)")
+    try:
+        saved = OmegaConf.to_container(OmegaConf.load(saved_path), resolve=True)
+    except Exception as e:  # noqa: BLE001 - yaml/omegaconf errors
+        raise ValueError(f"{saved_path} is not a readable config ({e})") from None
+    now = json.loads(json.dumps(OmegaConf.to_container(OmegaConf.create(resolved), resolve=True)))
+    saved, now = dict(_flat(saved)), dict(_flat(now))
+    free = {"resume", "progress", "checkpoint_every"}
+    diff = [f"{k}: {saved.get(k)!r} -> {now.get(k)!r}" for k in sorted(set(saved) | set(now))
+            if k not in free and saved.get(k) != now.get(k)]
+    if diff:
+        raise ValueError(f"resume=true with another config than {saved_path}: {'; '.join(diff)[:800]}. "
+                         "Resume with the same settings (only resume, progress, checkpoint_every may change)")
+
+
+def run(cfg: RunConfig, resolved) -> Path:
+    check_config(cfg)
+    run_dir = Path(cfg.out_dir)
+    with RunLock(run_dir):
+        if cfg.resume:
+            check_resume(cfg, resolved, run_dir)
+            ckpt = latest_checkpoint(run_dir)
+        elif holds_run(run_dir):
+            raise ValueError(f"out_dir {run_dir} already holds a run ({', '.join(holds_run(run_dir))}); resume it "
+                             f"with `mtp-rollout run out_dir={run_dir} resume=true`, or pass another out_dir=...")
+        else:
+            ckpt = None
+        check_paths(cfg)
+        torch.manual_seed(cfg.seed)
+        torch.set_num_threads(cfg.trainer_threads)
+        policy = load_rl_policy(cfg.accelerator.model, cfg.accelerator.dtype, cfg.seed)
+        check_lengths(cfg, policy)
+        if cfg.resume:
+            rewind_run_dir(run_dir, ckpt, cfg.accelerator.cotrainer.checkpoint_dir)
+            for name in LOGS:                           # damaged before the checkpoint: say which file, now
+                read_jsonl(run_dir / name)
+            if (run_dir / MONITOR_STATE).exists():
+                read_json(run_dir / MONITOR_STATE, "monitor state")
+            print(f"resuming {run_dir} " + (f"after step {ckpt.step}" if ckpt else "from step 0 (no checkpoint yet)"))
+        if ckpt is not None and ckpt.step + 1 >= cfg.steps:
+            print(f"{run_dir}: all {cfg.steps} steps are done; nothing to resume")
+        else:
+            with local_ray(cfg.accelerator.ray_address):
+                _train(cfg, policy, run_dir, ckpt, None if cfg.resume else resolved)
+        plot_rl(run_dir)
+    print(f"run directory {run_dir}\nfigures: {run_dir / 'acceptance_vs_entropy.png'}, "
+          f"{run_dir / 'over_steps.png'}, {run_dir / 'rl_over_steps.png'}")
+    return run_dir
+
+
+def _train(cfg: RunConfig, policy: Policy, run_dir: Path, ckpt: Checkpoint | None, resolved) -> None:
+    """The driver loop, from step 0 or from the step after `ckpt`. A fresh run's config.yaml is
+    written once the actors are up: a run that failed to start leaves no run behind."""
     trainer = GRPOTrainer(policy.model, cfg.grpo, cfg.steps)
     sampler = TaskSampler(cfg.tasks)
-    accel = RolloutAccelerator.from_config(cfg.accelerator, policy=policy.model, heads=heads)
+    start, versions, pending_sync, cotrainer_state = 0, {}, None, None
+    if ckpt is None:
+        heads = HEAD_SOURCES[cfg.heads](policy, cfg)
+    else:   # the workers get the weights that made step ckpt.step+1's rollouts, the trainer its own state
+        t, h = ckpt.load("trainer.pt"), ckpt.load("heads.pt")
+        trainer.model.load_state_dict(t["trained"], strict=False)
+        trainer.optimizer.load_state_dict(t["optimizer"])
+        policy.model.load_state_dict(t["previous"], strict=False)
+        heads = heads_from_flat(policy.model.config, cfg.accelerator.num_depths, pack(h["heads"]),
+                                cfg.accelerator.dtype)
+        start, versions = ckpt.step + 1, {"policy_version": ckpt.step, "head_version": h["head_version"]}
+        pending_sync = (t["trained"], ckpt.policy_version)
+        cotrainer_state = ckpt.load("cotrainer.pt")
+    accel = RolloutAccelerator.from_config(cfg.accelerator, policy=policy.model, heads=heads, **versions)
+    if cotrainer_state is not None and accel.cotrainer is not None:
+        ray.get(accel.cotrainer.load_state.remote(cotrainer_state))
+    if resolved is not None:
+        write_resolved(resolved, run_dir)
     prefetch = Prefetcher(lambda step: rollouts(accel, sampler, policy, cfg, step))
     t_start = time.perf_counter()
     try:
         with open(run_dir / "rl.jsonl", "a", encoding="utf-8") as log:
-            prefetch.submit(0)
-            bar = tqdm(range(cfg.steps), disable=not cfg.progress, desc="async GRPO", dynamic_ncols=True)
+            prefetch.submit(start)
+            bar = tqdm(range(start, cfg.steps), disable=not cfg.progress, desc="async GRPO", dynamic_ncols=True,
+                       initial=start, total=cfg.steps)
             for step in bar:                                   # ---- the driver loop ----
                 t0 = time.perf_counter()
                 tasks, batch = prefetch.result()               # made by policy version step-1
@@ -107,8 +254,14 @@ def run(cfg: RunConfig, resolved) -> Path:
                                    for c in batch.completions]
                 rec = accel.end_step(step, {"reward": float(np.mean(rewards)),
                                             "reward_by_domain": by_domain(tasks, rewards)})
+                checkpoint = cfg.checkpoint_every and ((step + 1) % cfg.checkpoint_every == 0 or step + 1 == cfg.steps)
+                cotrainer_ref = accel.cotrainer.state.remote() if checkpoint and accel.cotrainer else None
+                if pending_sync is not None:                   # resumed: the version trained before the stop
+                    accel.sync_policy(*pending_sync)
+                    pending_sync = None
                 if step + 1 < cfg.steps:
                     prefetch.submit(step + 1)                  # overlaps with the update below
+                previous = trainer.trained_weights() if checkpoint else None
                 t1 = time.perf_counter()
                 stats = trainer.step(batch, rewards, step)
                 accel.sync_policy(trainer.trained_weights(), version=step + 1)
@@ -120,17 +273,32 @@ def run(cfg: RunConfig, resolved) -> Path:
                        "rollout_s": batch.wall_time_s, "policy_version": step + 1}
                 log.write(json.dumps(row) + "\n")
                 log.flush()
+                if checkpoint:
+                    _checkpoint(run_dir, step, trainer, previous, accel, cotrainer_ref)
                 bar.set_postfix(reward=_fmt(row["reward"]), H=_fmt(rec.get("entropy_drafted")),
                                 acc=_fmt(rec.get("acceptance_rate")), tau=_fmt(rec.get("acceptance_length")),
                                 slope=_fmt((rec.get("slope_step_run") or {}).get("slope")))
     finally:
         prefetch.close()
         accel.shutdown()
-    plot_rl(run_dir)
-    print(f"run finished in {time.perf_counter() - t_start:.0f}s; run directory {run_dir}\n"
-          f"figures: {run_dir / 'acceptance_vs_entropy.png'}, {run_dir / 'over_steps.png'}, "
-          f"{run_dir / 'rl_over_steps.png'}")
-    return run_dir
+    print(f"steps {start}..{cfg.steps - 1} finished in {time.perf_counter() - t_start:.0f}s")
+
+
+def _checkpoint(run_dir: Path, step: int, trainer: GRPOTrainer, previous: dict, accel: RolloutAccelerator,
+                cotrainer_ref) -> None:
+    """After step `step`: apply the co-trainer's decision on this step (its state was asked for
+    right after end_step, so it matches), then save everything a resume needs."""
+    accel.flush(timeout=300)
+    cotrainer = None
+    if cotrainer_ref is not None:
+        try:
+            cotrainer = ray.get(cotrainer_ref, timeout=300)
+        except Exception as e:  # noqa: BLE001 - a dead or stuck co-trainer: resume restarts it from the heads
+            logger.warning("checkpoint at step %d without the co-trainer's state (%s)", step, e)
+    heads, head_version = accel.current_heads()
+    save_checkpoint(run_dir, step, trained=trainer.trained_weights(), previous=previous,
+                    optimizer=trainer.optimizer.state_dict(), heads=heads, head_version=head_version,
+                    cotrainer=cotrainer)
 
 
 def plot_rl(run_dir: Path) -> Path:
@@ -139,7 +307,9 @@ def plot_rl(run_dir: Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = [json.loads(x) for x in (run_dir / "rl.jsonl").read_text().splitlines() if x.strip()]
+    rows = read_jsonl(run_dir / "rl.jsonl")
+    if not rows:
+        return run_dir / "rl_over_steps.png"
     fig, axes = plt.subplots(1, 3, figsize=(14, 3.5))
     for r in rows:
         r["policy_entropy"] = {"all tokens": r["train"].get("entropy", float("nan"))}
@@ -160,15 +330,62 @@ def plot_rl(run_dir: Path) -> Path:
 
 
 def with_default_config(argv: list[str]) -> list[str]:
-    """Put configs/async_rl.yaml first when argv names no YAML file (only key=value overrides)."""
-    return list(argv) if any("=" not in a for a in argv) else [str(DEFAULT_CONFIG), *argv]
+    """Put a YAML file first when argv names none (only key=value overrides): the run's own
+    <out_dir>/config.yaml with resume=true, else configs/async_rl.yaml."""
+    if any("=" not in a for a in argv):
+        return list(argv)
+    kv = dict(a.split("=", 1) for a in argv)
+    saved = Path(kv.get("out_dir", "")) / "config.yaml"
+    if kv.get("resume", "").lower() in ("true", "1", "yes") and "out_dir" in kv and saved.is_file():
+        return [str(saved), *argv]
+    return [str(DEFAULT_CONFIG), *argv]
+
+
+def check_groups(argv: list[str]) -> None:
+    """A single value where the schema has a group of keys (a schedule) is an error naming the key
+    (omegaconf's own message names no key)."""
+    schema = OmegaConf.structured(RunConfig)
+    for arg in argv:
+        if "=" in arg:
+            key, value = arg.split("=", 1)
+            _check_group(schema, key.strip(), value.strip().startswith("{"), f"override {arg!r}")
+        elif Path(arg).is_file():
+            try:
+                layer = OmegaConf.to_container(OmegaConf.load(arg), resolve=False)
+            except Exception as e:  # noqa: BLE001 - yaml errors
+                raise ValueError(f"{arg}: not a readable YAML file ({' '.join(str(e).split())})") from None
+            if not isinstance(layer, dict):
+                raise ValueError(f"{arg}: a config file must be a mapping of keys, got {type(layer).__name__}")
+            for key, is_group in _leaves(layer):
+                _check_group(schema, key, is_group, arg)
+
+
+def _leaves(node: dict, prefix: str = ""):
+    for k, v in node.items():
+        yield f"{prefix}{k}", isinstance(v, dict)
+        if isinstance(v, dict):
+            yield from _leaves(v, f"{prefix}{k}.")
+
+
+def _check_group(schema, key: str, given_group: bool, where: str) -> None:
+    node = OmegaConf.select(schema, key, default=None, throw_on_missing=False) if key else None
+    if isinstance(node, DictConfig) and not given_group:
+        subkeys = ", ".join(f"{key}.{k}" for k in node.keys())
+        raise ValueError(f"{where}: config key {key} is a group of keys ({subkeys}), not a single value; "
+                         f"set those keys, e.g. {key}.start=1.0 {key}.end=1.0 for a constant schedule")
 
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of `mtp-rollout run`: argv = YAML files and key=value overrides; without a
     YAML file the main job's configs/async_rl.yaml comes first."""
+    argv = sys.argv[1:] if argv is None else argv
+    if wants_help(argv):
+        print(config_help(RunConfig, usage=USAGE), end="")
+        return 0
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    cfg, resolved = load_config(with_default_config(sys.argv[1:] if argv is None else argv))
+    argv = with_default_config(argv)
+    check_groups(argv)
+    cfg, resolved = load_run_config(argv)
     run(cfg, resolved)
     return 0
 

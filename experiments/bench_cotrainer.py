@@ -7,67 +7,75 @@ generate call; in "off" rounds it is idle (it still receives the rollouts, as al
 Rounds alternate off/on so that drift of a shared machine hits both alike; medians and the
 on/off ratio are printed and written as JSON.
 
-    python -m experiments.bench_cotrainer                  # SmolLM2-135M, 1 worker + co-trainer
-    python -m experiments.bench_cotrainer --tiny --rounds 2   # seconds: a random tiny model
+    python -m experiments.bench_cotrainer configs/bench_cotrainer.yaml [key=value ...]
+    python -m experiments.bench_cotrainer model=tiny-random rounds=2    # seconds: a random tiny model
+    python -m experiments.bench_cotrainer --help                        # every key
 """
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
 import platform
 import statistics
+import sys
 import tempfile
 import threading
 import time
+from dataclasses import dataclass
 
 import ray
 import torch
 
-from rollout.accelerator import AcceleratorConfig, CoTrainerConfig, RolloutAccelerator, WorkerConfig
+from rollout.accelerator import AcceleratorConfig, RolloutAccelerator
+from rollout.config_loader import config_help, load_config, wants_help
+from rollout.fileio import atomic_write
 from rollout.monitor import MonitorConfig
 from rollout.types import SamplingParams
+from rollout.workers import WorkerConfig
+from trainers.cotrainer import CoTrainerConfig
+from trainers.policy import load_rl_policy
 
 QUESTIONS = ["What is 17 plus 25?", "Reverse the word 'rollout'.", "Name three primary colours.",
              "Write one sentence about the sea.", "What is the capital of France?",
              "Spell 'entropy' in capital letters.", "Count from one to five.", "What is 9 times 7?"]
+USAGE = "python -m experiments.bench_cotrainer [configs/bench_cotrainer.yaml] [key=value ...]"
 
 
-def build_models(args):
-    """(policy, prompts): SmolLM2-135M-Instruct with chat prompts, or a random tiny model."""
-    if args.tiny:
-        from rollout.models.config import ModelConfig
-        from rollout.models.decoder import random_model
-        cfg = ModelConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
-        return random_model(cfg, seed=0), [[3 + i, 7, 11 + i, 5] for i in range(args.prompts)]
-    from rollout.models.decoder import build_model
-    from rollout.models.loaders import apply_chat_template, load_model
-    loaded = load_model(args.model)
-    policy = build_model(loaded.config, loaded.state_dict, torch.float32)
-    prompts = [apply_chat_template(loaded, [{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}])
-               for i in range(args.prompts)]
-    return policy, prompts
+@dataclass(frozen=True)
+class BenchCotrainerConfig:
+    """One off/on throughput comparison."""
+
+    model: str = "smollm2-135m"         # policy: a model spec, or `tiny-random` (a seconds-long smoke run)
+    heads_path: str | None = None       # pre-trained heads (mtp_heads.checkpoint file); null: init_heads
+    num_depths: int = 1                 # MTP depths D of the heads
+    rounds: int = 5                     # off/on pairs
+    prompts: int = 8                    # prompts per generate call (chat-formatted questions)
+    max_new_tokens: int = 48            # tokens per completion (EOS ignored)
+    k: int = 2                          # draft tokens per round
+    batch_tokens: int = 512             # co-trainer tokens per training step
+    worker_cpus: float = 1              # Ray CPUs of the rollout worker
+    cotrainer_cpus: float = 1           # Ray CPUs of the co-trainer
+    ray_address: str | None = None      # Ray cluster address; null: a local Ray sized for both actors
+    out: str | None = None              # write the result (with the resolved config) as JSON here
+
+    def __post_init__(self) -> None:
+        if self.rounds < 1 or self.prompts < 1 or self.max_new_tokens < 1 or self.k < 1:
+            raise ValueError("rounds, prompts, max_new_tokens and k must all be >= 1")
 
 
-def main(argv=None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="smollm2-135m")
-    ap.add_argument("--heads-path", default=None, help="pre-trained heads (mtp_heads.checkpoint); default: init_heads")
-    ap.add_argument("--num-depths", type=int, default=1)
-    ap.add_argument("--tiny", action="store_true", help="random tiny model (smoke test of this script)")
-    ap.add_argument("--rounds", type=int, default=5, help="off/on pairs")
-    ap.add_argument("--prompts", type=int, default=8)
-    ap.add_argument("--max-new-tokens", type=int, default=48)
-    ap.add_argument("--k", type=int, default=2, help="draft tokens per round")
-    ap.add_argument("--batch-tokens", type=int, default=512, help="co-trainer tokens per training step")
-    ap.add_argument("--worker-cpus", type=float, default=1)
-    ap.add_argument("--cotrainer-cpus", type=float, default=1)
-    ap.add_argument("--ray-address", default=None)
-    ap.add_argument("--out", default=None, help="write the result as JSON here")
-    args = ap.parse_args(argv)
+def build_models(cfg: BenchCotrainerConfig):
+    """(policy, prompts): the policy and its chat-formatted (or byte, for tiny-random) prompts."""
+    policy = load_rl_policy(cfg.model, "float32", seed=0)
+    return policy.model, [policy.codec.encode_prompt(QUESTIONS[i % len(QUESTIONS)]) for i in range(cfg.prompts)]
 
+
+def main(argv: list[str] | None = None) -> dict | None:
+    argv = sys.argv[1:] if argv is None else argv
+    if wants_help(argv):
+        print(config_help(BenchCotrainerConfig, usage=USAGE), end="")
+        return None
+    args, resolved = load_config(BenchCotrainerConfig, argv)
     if args.ray_address is None:
         ray.init(num_cpus=max(2, math.ceil(args.worker_cpus + args.cotrainer_cpus)), include_dashboard=False,
                  log_to_driver=False)
@@ -119,14 +127,15 @@ def main(argv=None) -> dict:
         accel.shutdown()
         ray.shutdown()
     result = {
-        "model": "tiny-random" if args.tiny else args.model, "heads": args.heads_path or "init_heads",
+        "model": args.model, "heads": args.heads_path or "init_heads",
         "prompts": args.prompts,
         "max_new_tokens": args.max_new_tokens, "k": args.k, "rounds": args.rounds,
         "worker_cpus": args.worker_cpus, "cotrainer_cpus": args.cotrainer_cpus, "batch_tokens": args.batch_tokens,
         "median_off_tok_s": statistics.median(off), "median_on_tok_s": statistics.median(on),
         "ratio_of_medians": statistics.median(on) / statistics.median(off),
         "median_pair_ratio": statistics.median(o / f for o, f in zip(on, off)),
-        "off_tok_s": off, "on_tok_s": on, "cotrainer_steps_per_on_round": steps_during, "cotrainer_step_s": step_s, "acceptance_rate": stats.acceptance_rate,
+        "off_tok_s": off, "on_tok_s": on, "cotrainer_steps_per_on_round": steps_during, "cotrainer_step_s": step_s,
+        "acceptance_rate": stats.acceptance_rate, "config": resolved,
         "machine": f"{platform.machine()} {os.cpu_count()} cores, torch {torch.__version__}, ray {ray.__version__}",
         "loadavg_start": load0, "loadavg_end": os.getloadavg(),
     }
@@ -134,8 +143,7 @@ def main(argv=None) -> dict:
           f"ratio {result['ratio_of_medians']:.3f} (median of pair ratios {result['median_pair_ratio']:.3f}); "
           f"load average {load0[0]:.1f} -> {result['loadavg_end'][0]:.1f} on {os.cpu_count()} cores")
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=2)
+        atomic_write(args.out, json.dumps(result, indent=2) + "\n")
     return result
 
 

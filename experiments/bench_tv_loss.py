@@ -1,31 +1,57 @@
 """Fused vs naive TV loss at SmolLM2 sizes, and the toy study behind TV_EPS.
 
-    python -m experiments.bench_tv_loss                      # memory/time table
-    python -m experiments.bench_tv_loss --chunk-sizes 256 512 1024
-    python -m experiments.bench_tv_loss --smoothing          # TV smoothing toy study
+    python -m experiments.bench_tv_loss configs/bench_tv_loss.yaml         # memory/time table
+    python -m experiments.bench_tv_loss 'chunk_sizes=[256,512,1024]'
+    python -m experiments.bench_tv_loss study=smoothing                   # TV smoothing toy study
+    python -m experiments.bench_tv_loss --help                            # every key
 
 Each (variant, N, chunk) runs in its own subprocess (``--worker``) so that its peak
 memory is its own. Peak memory = ru_maxrss (peak resident set, KiB on Linux) after
 the first forward+backward minus the resident set right after the inputs are
 allocated, with the high-water mark reset there (``/proc/self/clear_refs`` = 5, so an
 earlier peak, e.g. from importing torch, does not hide a small one): the extra memory
-the loss needs on top of its inputs. Time = median (and min) of ``--repeats``
+the loss needs on top of its inputs. Time = median (and min) of ``repeats``
 forward+backward runs after that first (untimed) one.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import resource
 import statistics
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 
 import torch
 
 from mtp_heads.fused_tv import DEFAULT_CHUNK_SIZE, fused_linear_tv_loss
 from mtp_heads.losses import draft_loss
+from rollout.config_loader import config_help, load_config, wants_help
+
+USAGE = "python -m experiments.bench_tv_loss [configs/bench_tv_loss.yaml] [key=value ...]"
+STUDIES = ("memory", "smoothing")
+
+
+@dataclass(frozen=True)
+class BenchTVLossConfig:
+    """Fused vs naive TV memory/time at SmolLM2 sizes, or the TV smoothing toy study."""
+
+    study: str = "memory"               # `memory` (fused vs naive, peak memory and time) or `smoothing` (toy study)
+    n: tuple[int, ...] = (2048, 8192)   # memory: rows N of the loss
+    d: int = 576                        # memory: hidden size (SmolLM2-135M)
+    v: int = 49152                      # memory: vocabulary size (SmolLM2)
+    chunk_sizes: tuple[int, ...] = (DEFAULT_CHUNK_SIZE,)   # memory: fused kernel chunk sizes compared
+    repeats: int = 3                    # memory: timed forward+backward runs per case (median and min)
+    threads: int = 0                    # memory: torch threads per worker process; 0 = torch's default
+    steps: int = 400                    # smoothing: optimiser steps per run
+    seeds: int = 2                      # smoothing: seeds per setting
+
+    def __post_init__(self) -> None:
+        if self.study not in STUDIES:
+            raise ValueError(f"study must be one of {STUDIES}, got {self.study!r}")
+        if not self.n or min(self.n) < 1 or not self.chunk_sizes or min(self.chunk_sizes) < 1:
+            raise ValueError(f"n and chunk_sizes must be non-empty and >= 1, got {self.n}, {self.chunk_sizes}")
 
 
 def _maxrss_mib() -> float:
@@ -77,10 +103,10 @@ def _worker(variant: str, n: int, d: int, v: int, chunk: int, repeats: int, thre
             "time_s": statistics.median(times), "min_s": min(times), "loss": value}
 
 
-def _run_worker(args, variant: str, n: int, chunk: int) -> dict | None:
-    cmd = [sys.executable, "-m", "experiments.bench_tv_loss", "--worker", variant,
-           "--n", str(n), "--d", str(args.d), "--v", str(args.v), "--chunk", str(chunk),
-           "--repeats", str(args.repeats), "--threads", str(args.threads)]
+def _run_worker(args: BenchTVLossConfig, variant: str, n: int, chunk: int) -> dict | None:
+    job = {"variant": variant, "n": n, "d": args.d, "v": args.v, "chunk": chunk, "repeats": args.repeats,
+           "threads": args.threads}
+    cmd = [sys.executable, "-m", "experiments.bench_tv_loss", "--worker", json.dumps(job)]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:   # e.g. killed for memory: report it, keep going
         tail = (proc.stderr.strip().splitlines() or ["no stderr"])[-1]
@@ -89,7 +115,7 @@ def _run_worker(args, variant: str, n: int, chunk: int) -> dict | None:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def bench(args) -> None:
+def bench(args: BenchTVLossConfig) -> None:
     print(f"d={args.d} V={args.v} float32, threads={args.threads or torch.get_num_threads()}, "
           f"repeats={args.repeats} (median, min), peak = RSS high-water mark over the inputs' RSS")
     print(f"{'N':>6} {'variant':>12} {'peak MiB':>9} {'median s':>8} {'min s':>7} {'mem f/n':>8} "
@@ -157,7 +183,7 @@ def _toy_run(method: tuple[str, float, float], seed: int, realizable: bool, opt:
     return curve
 
 
-def smoothing_study(args) -> None:
+def smoothing_study(args: BenchTVLossConfig) -> None:
     torch.set_num_threads(1)
     methods = {"tv eps=0": ("tv", 0.0, 0.0), "tv eps=1e-5": ("tv", 1e-5, 0.0),
                "tv eps=1e-4": ("tv", 1e-4, 0.0), "tv eps=1e-3": ("tv", 1e-3, 0.0),
@@ -181,24 +207,17 @@ def smoothing_study(args) -> None:
                       f"{statistics.mean(bests):>8.4f} {statistics.mean(jitters):>8.5f}", flush=True)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--n", type=int, nargs="+", default=[2048, 8192])
-    ap.add_argument("--d", type=int, default=576)
-    ap.add_argument("--v", type=int, default=49152)
-    ap.add_argument("--chunk-sizes", type=int, nargs="+", default=[DEFAULT_CHUNK_SIZE])
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--threads", type=int, default=0, help="torch threads per worker, 0 = torch default")
-    ap.add_argument("--worker", choices=["naive", "fused"])
-    ap.add_argument("--chunk", type=int, default=DEFAULT_CHUNK_SIZE)
-    ap.add_argument("--smoothing", action="store_true", help="run the TV smoothing toy study")
-    ap.add_argument("--steps", type=int, default=400)
-    ap.add_argument("--seeds", type=int, default=2)
-    args = ap.parse_args()
-    if args.worker:
-        print(json.dumps(_worker(args.worker, args.n[0], args.d, args.v, args.chunk,
-                                 args.repeats, args.threads)))
-    elif args.smoothing:
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--worker"]:          # internal: one measurement in a fresh process
+        print(json.dumps(_worker(**json.loads(argv[1]))))
+        return
+    if wants_help(argv):
+        print(config_help(BenchTVLossConfig, usage=USAGE), end="")
+        return
+    args, resolved = load_config(BenchTVLossConfig, argv)
+    print(resolved, end="")
+    if args.study == "smoothing":
         smoothing_study(args)
     else:
         bench(args)

@@ -27,12 +27,14 @@ DEFAULT_PROMPTS = [
 
 
 def resolve_heads(policy: CausalLM, model: str, spec: str, num_depths: int) -> tuple[MTPHeads, str]:
-    """spec: a checkpoint path, 'init' (copy of the policy's last layer), or 'auto' (cached
-    pre-trained heads for this model when `mtp-rollout train-heads` has run, else 'init')."""
-    from mtp_heads.checkpoint import default_heads_path, load_heads
+    """spec: a checkpoint path, 'init' (copy of the policy's last layer), or 'auto' (the heads
+    shipped for this model, else the cached result of `mtp-rollout train-heads`, else 'init')."""
+    from experiments.pretrain_heads import default_out
+    from mtp_heads.checkpoint import load_heads
+    from mtp_heads.shipped import shipped_heads_path
 
     if spec == "auto":
-        path = default_heads_path(model, num_depths, TrainConfig.loss)
+        path = shipped_heads_path(model) or default_out(model)
         spec = str(path) if path.is_file() else "init"
     if spec == "init":
         return init_heads(policy, num_depths), "init (untrained: expect low acceptance)"
@@ -59,14 +61,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    sampling = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+                              num_draft_tokens=args.k, draft_mode=args.draft_mode, seed=args.seed)
+    try:                                   # bad values fail before the model loads, named as flags
+        sampling.validate()
+    except ValueError as e:
+        raise ValueError(f"--{str(e).replace('_', '-').replace('num-draft-tokens (k)', 'k')}") from None
     torch.set_num_threads(max(1, torch.get_num_threads()))
     policy, loaded = load_policy(args.model, args.dtype)
     heads, heads_desc = resolve_heads(policy, args.model, args.heads, args.num_depths)
     engine = TorchEngine(policy, heads if args.k > 0 else None)
     print(f"model: {args.model} ({loaded.config.num_hidden_layers} layers, d={loaded.config.hidden_size})  "
           f"heads: {heads_desc}  k={args.k} {args.draft_mode}")
-    sampling = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
-                              num_draft_tokens=args.k, draft_mode=args.draft_mode, seed=args.seed)
     totals = {"accepted": 0, "proposed": 0}
     with tqdm(total=args.max_new_tokens * len(args.prompt or DEFAULT_PROMPTS), unit="tok") as bar:
         def progress(new_tokens: int, accepted: int, proposed: int) -> None:

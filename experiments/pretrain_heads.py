@@ -1,163 +1,275 @@
-"""Pre-train MTP heads for a policy by self-distillation, evaluate them, cache them.
+"""`mtp-rollout train-heads`: pre-train draft heads for a policy, evaluate them, write a report.
 
-    python -m experiments.pretrain_heads                          # default heads of the default model
-    python -m experiments.pretrain_heads --loss ce --steps 300 --out /tmp/ce.safetensors
-    python -m experiments.pretrain_heads --resume --out /tmp/ce.safetensors
-    python -m experiments.pretrain_heads --draft-vocab 8192 --speedup-prompts 4
+    mtp-rollout train-heads heads_smollm2                      # the shipped heads (configs/heads_smollm2.yaml)
+    mtp-rollout train-heads configs/train_heads.yaml train.phases='[{objective: tv, steps: 300}]'
+    mtp-rollout train-heads heads_smollm2 resume=true          # continue an interrupted run exactly
+    mtp-rollout train-heads --help                             # every key, its default and meaning
 
-Writes the heads (safetensors + .json header), `<out>.train.pt` (optimizer state for --resume)
-and `<out>.run.json` (resolved settings, training summary and every evaluation number).
-Generated rollouts are cached under $MTP_ROLLOUT_CACHE/pretrain_data, so reruns skip generation.
+The first argument may be a preset name (a YAML file in configs/) or a YAML path; `key=value`
+overrides follow, exactly like `mtp-rollout run`. Data: a token store (data.store, built by
+experiments/build_head_data.py) or, without one, the policy's own rollouts (data.generate).
+Writes the heads (safetensors + .json header), `<out>.train.pt` (optimizer state for resume),
+`<out>.run.json` (resolved config, losses, the held-out/training acceptance curve, timings) and
+`<out>.config.yaml`.
 """
 from __future__ import annotations
 
-import argparse
+import dataclasses
+import hashlib
+import io
 import json
+import resource
+import sys
 import time
-from dataclasses import asdict
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-import numpy as np
 import torch
 
-from mtp_heads.checkpoint import _atomic_write, default_heads_path, read_meta
-from mtp_heads.pretrain import (HEAD_INITS, OBJECTIVES, DataConfig, PretrainPlan, TokenData, TrainConfig, chat_prompts,
-                                decode_speedup, draft_cost, engine_acceptance, pretrain, teacher_forced_acceptance)
+from experiments.heads_data import GenerateConfig
+from mtp_heads.checkpoint import HeadMeta, default_heads_path, load_heads, read_meta
+from mtp_heads.evaluate import EvalSet, format_acceptance, teacher_forced_acceptance
+from mtp_heads.heads import MTPHeads
+from mtp_heads.pretrain import TrainConfig, train_heads
+from mtp_heads.shipped import load_shipped_heads
+from mtp_heads.token_data import draft_vocab_from_counts, trained_token_counts
+from rollout.config_loader import config_help, load_config, wants_help
+from rollout.fileio import atomic_write
+from rollout.models.default_model import cache_dir
+from rollout.run_dir import check_writable
+
+CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
+DEFAULT_PRESET = "train_heads"          # for policies without shipped heads (self-generated data)
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    d, t = DataConfig(), TrainConfig()
-    ap = argparse.ArgumentParser(prog="mtp-rollout train-heads", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default="smollm2-135m", help="named model, .gguf file or HF directory")
-    ap.add_argument("--out", default=None, help="checkpoint path (default: the cached default heads)")
-    ap.add_argument("--resume", action="store_true", help="continue from --out's checkpoint")
-    ap.add_argument("--depths", type=int, default=t.num_depths)
-    ap.add_argument("--loss", default=t.loss, choices=sorted(OBJECTIVES))
-    ap.add_argument("--steps", type=int, default=t.steps)
-    ap.add_argument("--seqs-per-step", type=int, default=t.seqs_per_step)
-    ap.add_argument("--lr", type=float, default=t.lr)
-    ap.add_argument("--warmup-steps", type=int, default=t.warmup_steps)
-    ap.add_argument("--init", default=t.init, choices=sorted(HEAD_INITS), help="how the heads start")
-    ap.add_argument("--draft-vocab", type=int, default=t.draft_vocab_size, help="0 = full vocabulary")
-    ap.add_argument("--checkpoint-every", type=int, default=t.checkpoint_every)
-    ap.add_argument("--num-sequences", type=int, default=d.num_sequences)
-    ap.add_argument("--eval-sequences", type=int, default=d.num_eval_sequences)
-    ap.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens)
-    ap.add_argument("--gen-batch", type=int, default=d.gen_batch_size)
-    ap.add_argument("--temperature", type=float, default=d.temperature)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = leave as is)")
-    ap.add_argument("--eval-k", type=int, default=3, help="drafts per round in the engine evaluation")
-    ap.add_argument("--eval-prompts", type=int, default=8, help="held-out prompts for the engine evaluation (0 = skip)")
-    ap.add_argument("--eval-new-tokens", type=int, default=64)
-    ap.add_argument("--speedup-prompts", type=int, default=0, help="batch-1 k=0 vs k speed test prompts (0 = skip)")
-    ap.add_argument("--data-only", action="store_true", help="generate (and cache) the data, then stop")
-    ap.add_argument("--eval-only", action="store_true", help="evaluate the checkpoint at --out, no training")
-    ap.add_argument("--train-eval-sequences", type=int, default=16,
-                    help="training sequences also scored teacher-forced (train vs held-out gap = data-limited)")
-    ap.add_argument("--no-progress", action="store_true")
-    return ap.parse_args(argv)
+@dataclass(frozen=True)
+class DataConfig:
+    """Where the training and held-out sequences come from."""
+
+    store: str = ""                     # token store root (experiments/build_head_data.py); "" = generate rollouts
+    sources: list[str] = field(default_factory=lambda: ["sharegpt", "onpolicy"])   # store sources used
+    vocab_count_sequences: int = 4000   # training sequences whose trained tokens are counted for the draft vocab
+    max_train_sequences: int = 0        # use only the first n training sequences (0 = all): pins a growing store
+    generate: GenerateConfig = field(default_factory=GenerateConfig)   # rollouts when there is no store
 
 
-def plan_from_args(a: argparse.Namespace) -> PretrainPlan:
-    data = DataConfig(num_sequences=a.num_sequences, num_eval_sequences=a.eval_sequences,
-                      max_new_tokens=a.max_new_tokens, gen_batch_size=a.gen_batch, temperature=a.temperature,
-                      seed=a.seed)
-    train = TrainConfig(num_depths=a.depths, loss=a.loss, steps=a.steps, seqs_per_step=a.seqs_per_step, lr=a.lr,
-                        warmup_steps=a.warmup_steps, init=a.init, temperature=a.temperature,
-                        draft_vocab_size=a.draft_vocab,
-                        checkpoint_every=a.checkpoint_every, seed=a.seed)
-    return PretrainPlan(model=a.model, data=data, train=train)
+@dataclass(frozen=True)
+class EvalConfig:
+    """Teacher-forced acceptance (mtp_heads.evaluate) during and after training; engine runs at the end."""
+
+    temperatures: list[float] = field(default_factory=lambda: [0.7, 1.0])   # sampling temperatures scored
+    steps: int = 3                      # draft positions scored (k)
+    heldout_sequences: int = 16         # held-out sequences scored (first n of the split)
+    train_sequences: int = 16           # training sequences scored too: the train/held-out gap
+    max_seq_len: int = 512              # evaluation sequences are cut to this many tokens
+    engine_prompts: int = 0             # held-out chat prompts decoded by the torch engine at the end (0 = skip)
+    engine_new_tokens: int = 64         # new tokens per engine prompt
+    speedup_prompts: int = 0            # batch-1 plain vs speculative decode prompts (0 = skip)
 
 
-def main(argv: list[str] | None = None) -> dict:
-    a = parse_args(argv)
-    if a.threads:
-        torch.set_num_threads(a.threads)
-    from rollout.models.decoder import build_model
-    from rollout.models.loaders import load_model
-    plan = plan_from_args(a)
-    out = Path(a.out) if a.out else default_heads_path(a.model, a.depths, a.loss)
+@dataclass(frozen=True)
+class TrainHeadsConfig:
+    """One head pre-training run."""
+
+    model: str = "smollm2-135m"         # named model, .gguf file or HF directory
+    out: str = ""                       # head checkpoint path; "" = $MTP_ROLLOUT_CACHE/heads/<model>.safetensors
+    resume: bool = False                # continue from `out`'s checkpoint (same config) instead of starting over
+    threads: int = 0                    # torch threads (0 = leave as is)
+    progress: bool = True               # a tqdm bar
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+
+
+def preset_path(name: str) -> Path:
+    return CONFIG_DIR / f"{name}.yaml"
+
+
+def load_train_heads_config(argv: list[str]) -> tuple[TrainHeadsConfig, str]:
+    """argv[0] may name a preset in configs/ ("heads_smollm2"); the rest are YAML files and overrides."""
+    argv = list(argv)
+    if argv and "=" not in argv[0] and not Path(argv[0]).is_file() and preset_path(argv[0]).is_file():
+        argv[0] = str(preset_path(argv[0]))
+    return load_config(TrainHeadsConfig, argv)
+
+
+def default_out(model: str) -> Path:
+    """$MTP_ROLLOUT_CACHE/heads/<model>-D1-trained.safetensors: where trained-on-first-use heads are cached."""
+    return default_heads_path(model, 1, "trained")
+
+
+class FirstN:
+    """The first n sequences of a source (a store split keeps growing while it is built)."""
+
+    def __init__(self, source, n: int):
+        self.source, self.n = source, n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int):
+        if not 0 <= i < self.n:
+            raise IndexError(i)
+        return self.source[i]
+
+
+def open_data(cfg: TrainHeadsConfig, policy, loaded, progress: bool):
+    """(train source, held-out source, description) from the token store or generated rollouts."""
+    if cfg.data.store:
+        from mtp_heads.data.token_store import TokenStore
+        store = TokenStore(Path(cfg.data.store).expanduser())
+        if store.meta.get("policy_fingerprint") not in (None, policy.config.fingerprint()):
+            raise ValueError(f"token store {cfg.data.store} was built for another policy "
+                             f"({store.meta.get('policy_fingerprint')}); rebuild it for {cfg.model}")
+        src = tuple(cfg.data.sources)
+        train, held = store.split("train", sources=src), store.split("heldout", sources=src)
+        if 0 < cfg.data.max_train_sequences < len(train):
+            train = FirstN(train, cfg.data.max_train_sequences)
+        n_tok = int(sum(len(train[i].tokens) for i in range(len(train)))) if isinstance(train, FirstN) else \
+            store.num_tokens("train", src)
+        desc = {"store": cfg.data.store, "sources": list(src), "train_tokens": n_tok,
+                "train_sequences": len(train), "heldout_sequences": len(held),
+                "heldout_tokens": store.num_tokens("heldout", src)}
+        return train, held, desc
+    from experiments.heads_data import prepare_generated_data
+    train, held = prepare_generated_data(policy, loaded, cfg.data.generate, progress=progress)
+    return train, held, {"generated": asdict(cfg.data.generate), "train_tokens": int(train.offsets[-1]),
+                         "train_sequences": len(train), "heldout_sequences": len(held)}
+
+
+def cached_eval_set(policy, source, ev: EvalConfig, n: int, key: dict) -> EvalSet:
+    """EvalSet.build, reused across runs on the same data (the full-vocabulary normaliser is the
+    expensive part): $MTP_ROLLOUT_CACHE/eval_sets/<hash of data, sequences, settings>.pt."""
+    blob = json.dumps({"key": key, "n": min(n, len(source)), "len": ev.max_seq_len, "T": ev.temperatures,
+                       "policy": policy.config.fingerprint(), "lengths": [len(source[i].tokens) for i in
+                                                                          range(min(n, len(source)))]},
+                      sort_keys=True, default=str)
+    path = cache_dir() / "eval_sets" / f"{hashlib.sha256(blob.encode()).hexdigest()[:20]}.pt"
+    if path.is_file():
+        raw = torch.load(path, weights_only=False)
+        return EvalSet(raw["batches"], raw["lse"])
+    es = EvalSet.build(policy, source, ev.temperatures, max_sequences=n, max_seq_len=ev.max_seq_len)
+    buf = io.BytesIO()
+    torch.save({"batches": es.batches, "lse": es.lse}, buf)
+    atomic_write(path, buf.getvalue())
+    return es
+
+
+def draft_vocab_for(cfg: TrainHeadsConfig, policy, train) -> torch.Tensor | None:
+    V = policy.config.vocab_size
+    if not 0 < cfg.train.draft_vocab_size < V:
+        return None
+    counts = trained_token_counts(train, V, cfg.data.vocab_count_sequences)
+    return draft_vocab_from_counts(counts, cfg.train.draft_vocab_size, always=policy.config.eos_token_ids)
+
+
+def run(cfg: TrainHeadsConfig, resolved: str = "", policy=None, loaded=None) -> dict:
+    """Data -> draft vocabulary -> training with periodic evaluation -> report. Returns the report."""
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
     t0 = time.perf_counter()
-    loaded = load_model(a.model)
-    policy = build_model(loaded.config, loaded.state_dict)
-    report: dict = {"plan": {"model": plan.model, "data": asdict(plan.data), "train": asdict(plan.train)},
-                    "out": str(out), "threads": torch.get_num_threads()}
-    if a.data_only:
-        from mtp_heads.pretrain import prepare_data
-        train, held = prepare_data(policy, loaded, plan.data, progress=not a.no_progress)
-        report["data"] = {"train_tokens": train.num_completion_tokens(), "eval_tokens": held.num_completion_tokens(),
-                          "seconds": time.perf_counter() - t0}
-        print(json.dumps(report["data"]))
-        return report
+    out = Path(cfg.out).expanduser() if cfg.out else default_out(cfg.model)
+    check_writable(out.parent, "out directory")     # before the model, the data and minutes of training
+    if policy is None:
+        from rollout.models.decoder import build_model
+        from rollout.models.loaders import load_model
+        loaded = load_model(cfg.model)
+        policy = build_model(loaded.config, loaded.state_dict)
+    train, held, data_desc = open_data(cfg, policy, loaded, cfg.progress)
+    vocab = None if cfg.train.init.endswith(".safetensors") and not cfg.train.draft_vocab_size else \
+        draft_vocab_for(cfg, policy, train)
+    t_eval = time.perf_counter()
+    ev = cfg.eval
+    where = {k: data_desc.get(k) for k in ("store", "sources", "generated")}   # not the (growing) sizes
+    held_set = cached_eval_set(policy, held, ev, ev.heldout_sequences, {"split": "heldout", **where})
+    train_set = cached_eval_set(policy, train, ev, ev.train_sequences, {"split": "train", **where}) \
+        if ev.train_sequences else None
+    eval_build_s = time.perf_counter() - t_eval
+    eval_seconds = [0.0]
+
+    def on_eval(step: int, heads: MTPHeads) -> dict:
+        t = time.perf_counter()
+        res = {"heldout": teacher_forced_acceptance(policy, heads, held_set, ev.steps)}
+        if train_set is not None:
+            res["train"] = teacher_forced_acceptance(policy, heads, train_set, ev.steps)
+        eval_seconds[0] += time.perf_counter() - t
+        T1 = max(ev.temperatures)
+        h = res["heldout"][T1]["rejection"]
+        tr = res["train"][T1]["rejection"] if "train" in res else None
+        print(f"[eval] step {step}: held-out T={T1:g} rejection per position "
+              f"{' / '.join(f'{a:.3f}' for a in h['per_position'])} tau {h['tau']:.2f}"
+              + (f" | train {' / '.join(f'{a:.3f}' for a in tr['per_position'])} tau {tr['tau']:.2f}" if tr else "")
+              + f" | {time.perf_counter() - t0:.0f} s", flush=True)
+        return res
+
+    print(f"train-heads: {data_desc} -> {out} ({cfg.train.total_steps} steps; eval set {held_set.num_positions} "
+          f"held-out positions, built in {eval_build_s:.0f} s)", flush=True)
+    meta = {"model_spec": cfg.model, "notes": json.dumps({"data": data_desc, "phases": [asdict(p) for p in
+                                                                                        cfg.train.phases]})}
     t_train = time.perf_counter()
-    if a.eval_only:
-        from mtp_heads.checkpoint import load_heads
-        from mtp_heads.pretrain import prepare_data
-        train, held = prepare_data(policy, loaded, plan.data, progress=not a.no_progress)
-        heads, meta = load_heads(out, policy)
-    else:
-        heads, meta, train, held, result = pretrain(policy, loaded, plan, out, resume=a.resume,
-                                                    progress=not a.no_progress)
-        report["losses"] = result.losses
-        report["train_rows_per_s"] = result.rows_per_s
-    report["train"] = {"steps": meta.steps, "train_tokens": train.num_completion_tokens(),
-                       "eval_tokens": held.num_completion_tokens(), "draft_vocab_size": meta.draft_vocab_size,
-                       "seconds_total": time.perf_counter() - t0,
-                       "seconds_data_and_train": time.perf_counter() - t_train}
-    report["teacher_forced"] = teacher_forced_acceptance(policy, heads, held, plan.train.temperature)
-    if a.train_eval_sequences:
-        subset = TokenData.concat([_one(train, i) for i in range(min(a.train_eval_sequences, len(train)))])
-        report["teacher_forced_train"] = teacher_forced_acceptance(policy, heads, subset, plan.train.temperature)
-    prompts = chat_prompts(loaded, max(a.eval_prompts, a.speedup_prompts), held_out=True, task_fraction=0.25,
-                           seed=a.seed + 7)
-    if a.eval_prompts:
-        report["engine"] = engine_acceptance(policy, heads, prompts[:a.eval_prompts], k=a.eval_k,
-                                             temperature=plan.train.temperature, max_new_tokens=a.eval_new_tokens,
-                                             seed=a.seed)
-    if a.speedup_prompts:
-        report["draft_cost_ms"] = draft_cost(policy, heads, k=a.eval_k)
-        report["speedup"] = decode_speedup(policy, heads, prompts[:a.speedup_prompts], k=a.eval_k,
-                                           temperature=plan.train.temperature, max_new_tokens=a.eval_new_tokens,
-                                           seed=a.seed)
-    report["meta"] = asdict(read_meta(out))
+    result = train_heads(policy, train, cfg.train, draft_vocab=vocab, checkpoint=out, resume=cfg.resume,
+                         meta_defaults=meta, progress=cfg.progress, on_eval=on_eval)
+    train_s = time.perf_counter() - t_train
+    report = {"config": resolved, "out": str(out), "data": data_desc, "threads": torch.get_num_threads(),
+              "steps": result.steps, "losses": result.losses, "history": result.history,
+              "final": result.history[-1] if result.history else None,
+              "train_seconds_this_call": train_s, "eval_seconds": eval_seconds[0], "eval_build_seconds": eval_build_s,
+              "train_tokens_per_s": result.tokens_per_s, "train_rows_per_s": result.rows_per_s,
+              "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6,
+              "meta": asdict(read_meta(out))}
+    if ev.engine_prompts or ev.speedup_prompts:
+        report.update(engine_report(policy, loaded, result.heads, ev, cfg.train.temperature))
     report["seconds_total"] = time.perf_counter() - t0
-    run_json = out.with_suffix(".run.json")
-    _atomic_write(run_json, lambda tmp: Path(tmp).write_text(json.dumps(report, indent=2) + "\n"))
-    print(summary(report))
-    print(f"heads: {out}\nreport: {run_json}")
+    atomic_write(out.with_suffix(".run.json"), json.dumps(report, indent=2, default=str) + "\n")
+    if resolved:
+        atomic_write(out.with_suffix(".config.yaml"), resolved)
+    if report["final"]:
+        print("held-out:\n" + format_acceptance(report["final"]["heldout"]))
+    print(f"heads: {out}\nreport: {out.with_suffix('.run.json')}")
     return report
 
 
-def _one(data: TokenData, i: int) -> TokenData:
-    tokens, hidden, prompt_len = data.sequence(i)
-    return TokenData(tokens, hidden, np.array([0, len(tokens)], dtype=np.int64), np.array([prompt_len], dtype=np.int32))
+def engine_report(policy, loaded, heads, ev: EvalConfig, temperature: float) -> dict:
+    """Engine acceptance per mode and batch-1 speed on held-out chat prompts (experiments.eval_heads)."""
+    from experiments.eval_heads import decode_speedup, draft_cost, engine_acceptance
+    from experiments.heads_data import chat_prompts
+    prompts = chat_prompts(loaded, max(ev.engine_prompts, ev.speedup_prompts), held_out=True)
+    out = {}
+    if ev.engine_prompts:
+        out["engine"] = engine_acceptance(policy, heads, prompts[:ev.engine_prompts], k=ev.steps,
+                                          temperature=temperature, max_new_tokens=ev.engine_new_tokens)
+    if ev.speedup_prompts:
+        out["draft_cost_ms"] = draft_cost(policy, heads, k=ev.steps)
+        out["speedup"] = decode_speedup(policy, heads, prompts[:ev.speedup_prompts], k=ev.steps,
+                                        temperature=temperature, max_new_tokens=ev.engine_new_tokens)
+    return out
 
 
-def summary(report: dict) -> str:
-    t = report["train"]
-    lines = [f"loss={report['plan']['train']['loss']} steps={t['steps']} train_tokens={t['train_tokens']} "
-             f"draft_vocab={t['draft_vocab_size'] or 'full'}"]
-    for d in report["teacher_forced"]:
-        lines.append(f"  depth {d['depth']}: teacher-forced acceptance rejection={d['rejection']:.3f} "
-                     f"greedy={d['greedy']:.3f} ({d['rows']} held-out rows)")
-    for d in report.get("teacher_forced_train", []):
-        lines.append(f"  depth {d['depth']}: on training sequences rejection={d['rejection']:.3f} "
-                     f"greedy={d['greedy']:.3f} ({d['rows']} rows)")
-    for mode, r in report.get("engine", {}).items():
-        cond = " ".join(f"{c:.3f}" for c in r["conditional_acceptance"])
-        lines.append(f"  engine {mode:9s}: acceptance rate {r['acceptance_rate']:.3f}, "
-                     f"length {r['acceptance_length']:.2f}, per position [{cond}]")
-    if "speedup" in report:
-        s = report["speedup"]
-        lines.append(f"  batch-1 decode: {s['plain_tokens_per_s']:.2f} -> {s['spec_tokens_per_s']:.2f} tok/s "
-                     f"({s['speedup']:.2f}x, k={s['k']}, {s['draft_mode']})")
-    if "draft_cost_ms" in report:
-        c = report["draft_cost_ms"]
-        lines.append(f"  batch-1 ms: target 1 tok {c['target_1']:.1f}, target k+1 tok {c['target_k1']:.1f}, "
-                     f"head block {c['head_block']:.1f}, LM head full {c['lm_head_full']:.1f}, "
-                     f"draft vocab ({c['draft_vocab_size']}) {c['lm_head_draft']:.1f}")
-    return "\n".join(lines)
+def load_or_train_default_heads(policy, loaded, *, model_spec: str = "smollm2-135m", preset: str = DEFAULT_PRESET,
+                                overrides: tuple[str, ...] = (), progress: bool = True) -> tuple[MTPHeads, HeadMeta]:
+    """The shipped heads for this model (mtp_heads.shipped) when the package has them; otherwise the
+    cached result of `train-heads <preset> model=<spec>`, trained (and cached) first if missing."""
+    shipped = load_shipped_heads(policy, model_spec)
+    if shipped is not None:
+        return shipped
+    cfg, resolved = load_train_heads_config([preset, f"model={model_spec}", f"progress={progress}", *overrides])
+    out = Path(cfg.out) if cfg.out else default_out(model_spec)
+    if out.is_file():
+        try:
+            return load_heads(out, policy)
+        except ValueError:
+            pass       # trained for another architecture behind this spec: retrain
+    run(dataclasses.replace(cfg, resume=False, out=str(out)), resolved, policy, loaded)
+    return load_heads(out, policy)
+
+
+def main(argv: list[str] | None = None) -> dict | None:
+    argv = sys.argv[1:] if argv is None else argv
+    if wants_help(argv):
+        print(config_help(TrainHeadsConfig, usage=__doc__))
+        return None
+    cfg, resolved = load_train_heads_config(argv)
+    return run(cfg, resolved)
 
 
 if __name__ == "__main__":

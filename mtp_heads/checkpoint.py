@@ -16,16 +16,16 @@ from __future__ import annotations
 import json
 import os
 import re
-import tempfile
 import time
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
+from safetensors.torch import save
 
 from mtp_heads.heads import MTPHeads
+from rollout.fileio import atomic_write
 from rollout.models.decoder import CausalLM
 from rollout.models.default_model import cache_dir
 
@@ -78,21 +78,6 @@ def set_draft_vocab(heads: MTPHeads, draft_vocab: torch.Tensor | None) -> MTPHea
     return heads
 
 
-def _atomic_write(target: Path, write) -> None:
-    """write(tmp_path) then os.replace into target; the temporary file is removed on any failure."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
-    os.close(fd)
-    try:
-        write(tmp)
-        os.chmod(tmp, 0o644)           # mkstemp makes 0600; caches are shared like the model files
-        os.replace(tmp, target)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-
-
 def sidecar_path(path: str | os.PathLike) -> Path:
     return Path(path).with_suffix(".json")
 
@@ -113,9 +98,8 @@ def save_heads(path: str | os.PathLike, heads: MTPHeads, meta: HeadMeta) -> Head
     if vocab is not None:
         tensors[DRAFT_VOCAB_KEY] = vocab.to("cpu", torch.long).contiguous()
     header = meta.to_json()
-    _atomic_write(path, lambda tmp: save_file(tensors, tmp, metadata={META_KEY: header}))
-    _atomic_write(sidecar_path(path), lambda tmp: Path(tmp).write_text(
-        json.dumps(json.loads(header), indent=2, sort_keys=True) + "\n"))
+    atomic_write(path, save(tensors, metadata={META_KEY: header}))
+    atomic_write(sidecar_path(path), json.dumps(json.loads(header), indent=2, sort_keys=True) + "\n")
     return meta
 
 
@@ -128,12 +112,18 @@ def read_meta(path: str | os.PathLike) -> HeadMeta:
     path = Path(path)
     if not path.is_file():
         raise ValueError(f"no head checkpoint at {path}; train one with `mtp-rollout train-heads`")
-    with safe_open(str(path), framework="pt") as f:
-        header = (f.metadata() or {}).get(META_KEY)
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            header = (f.metadata() or {}).get(META_KEY)
+    except Exception as e:  # noqa: BLE001 - safetensors' errors do not name the file
+        raise ValueError(f"{path} is not a readable head checkpoint ({type(e).__name__}: {e})") from None
     if header is None:
         raise ValueError(f"{path} is a safetensors file without an MTP-head header ({META_KEY!r}); "
                          "it was not written by mtp_heads.checkpoint.save_heads")
-    return HeadMeta.from_json(header)
+    try:
+        return HeadMeta.from_json(header)
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"{path}: the MTP-head header is not valid JSON metadata ({e})") from None
 
 
 def check_meta(meta: HeadMeta, policy: CausalLM, where: str | os.PathLike = "?") -> None:

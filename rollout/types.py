@@ -1,6 +1,7 @@
 """Plain data passed between engines, workers, the co-trainer and the monitor."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -24,6 +25,16 @@ class SamplingParams:
     return_hidden_states: bool = False  # target hidden state (after final norm) of every emitted token
 
     def validate(self) -> None:
+        """Types and ranges of every field, with errors naming the parameter and the value:
+        ints must be ints (not floats or bools), numbers must be finite."""
+        for name in ("max_new_tokens", "top_k", "num_draft_tokens"):
+            _check_int(name, getattr(self, name))
+        for name in ("temperature", "top_p"):
+            _check_real(name, getattr(self, name))
+        if self.seed is not None:
+            _check_int("seed", self.seed)
+        for t in self.stop_token_ids:
+            _check_int("stop_token_ids", t)
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if self.temperature < 0:
@@ -38,20 +49,65 @@ class SamplingParams:
             raise ValueError(f"draft_mode must be one of {DRAFT_MODES}, got {self.draft_mode!r}")
 
 
+def _check_int(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise ValueError(f"{name} must be an integer, got {value!r} ({type(value).__name__})")
+
+
+def _check_real(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
+        raise ValueError(f"{name} must be a number, got {value!r} ({type(value).__name__})")
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be finite, got {value!r}")
+
+
+def check_token_ids(prompt, where: str, vocab_size: int | None = None) -> list[int]:
+    """One prompt as a list of ints: a list/tuple of ints or a 1-D integer tensor/array. Floats
+    (no silent truncation), bools, strings, None and tensors of another rank are refused by name."""
+    if isinstance(prompt, (str, bytes)) or prompt is None:
+        raise ValueError(f"{where} must be a sequence of token ids, got {type(prompt).__name__} {prompt!r:.60}; "
+                         "tokenize text first")
+    dims = getattr(prompt, "ndim", None)
+    if dims is not None:                       # torch tensor or numpy array
+        if dims != 1:
+            raise ValueError(f"{where} must be 1-D (one sequence of token ids), got a {dims}-D "
+                             f"{type(prompt).__name__} of shape {tuple(prompt.shape)}")
+        dtype = str(prompt.dtype)
+        if "int" not in dtype or "bool" in dtype:
+            raise ValueError(f"{where} must hold integer token ids, got dtype {dtype}")
+        ids = [int(t) for t in prompt.tolist()]
+    elif isinstance(prompt, (list, tuple)):
+        for j, t in enumerate(prompt):
+            if isinstance(t, bool) or not isinstance(t, (int, np.integer)):
+                raise ValueError(f"{where}, position {j}: token ids must be integers, got {t!r} "
+                                 f"({type(t).__name__})")
+        ids = [int(t) for t in prompt]
+    else:
+        raise ValueError(f"{where} must be a list of token ids or a 1-D integer tensor, "
+                         f"got {type(prompt).__name__}")
+    if vocab_size is not None:
+        bad = [t for t in ids if not 0 <= t < vocab_size]
+        if bad:
+            raise ValueError(f"{where} has token ids outside the vocabulary [0, {vocab_size}): {bad[:5]}")
+    return ids
+
+
 def validate_request(prompts: list[list[int]], sp: SamplingParams, *, vocab_size: int, context_length: int,
                      has_heads: bool) -> None:
     """The checks every engine runs before any work, with errors that name the problem."""
     sp.validate()
+    if isinstance(prompts, (str, bytes)) or getattr(prompts, "ndim", None) is not None \
+            or not isinstance(prompts, (list, tuple)):
+        raise ValueError(f"prompts must be a list of prompts (each a list of token ids), got "
+                         f"{type(prompts).__name__}")
     if not prompts:
         raise ValueError("prompts is empty: pass at least one prompt (a list of token ids)")
     for i, prompt in enumerate(prompts):
-        if len(prompt) == 0:
+        ids = check_token_ids(prompt, f"prompt {i}", vocab_size)
+        if len(ids) == 0:
             raise ValueError(f"prompt {i} is empty: every prompt needs at least one token")
-        bad = [t for t in prompt if not (0 <= int(t) < vocab_size)]
-        if bad:
-            raise ValueError(f"prompt {i} has token ids outside the vocabulary [0, {vocab_size}): {bad[:5]}")
-        if len(prompt) + sp.max_new_tokens > context_length:
-            raise ValueError(f"prompt {i} ({len(prompt)} tokens) + max_new_tokens ({sp.max_new_tokens}) "
+        if len(ids) + sp.max_new_tokens > context_length:
+            raise ValueError(f"prompt {i} ({len(ids)} tokens) + max_new_tokens ({sp.max_new_tokens}) "
                              f"exceeds the context length {context_length}")
     if sp.num_draft_tokens > 0 and not has_heads:
         raise ValueError("num_draft_tokens > 0 needs MTP heads: pass heads= to the engine")

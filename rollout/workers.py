@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib
 import os
 import time
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Protocol
 
 import torch
@@ -20,7 +21,6 @@ from rollout.weights import FlatWeights, heads_from_flat, policy_from_flat, unpa
 
 if TYPE_CHECKING:
     from mtp_heads.heads import MTPHeads
-    from rollout.accelerator import WorkerConfig
     from rollout.models.decoder import CausalLM
 
 
@@ -49,6 +49,32 @@ def _vllm_engine(policy: "CausalLM", heads: "MTPHeads | None", policy_version: i
 ENGINES: dict[str, Callable[..., Engine]] = {"torch": _torch_engine, "vllm": _vllm_engine}
 
 
+@dataclass(frozen=True)
+class WorkerConfig:
+    """The rollout workers: how many, their Ray resources, their engine, their retries."""
+
+    num_workers: int = 1                # rollout worker actors; prompts are split across them
+    num_cpus_per_worker: float = 1      # Ray CPUs per worker (also its torch threads); fractions allowed
+    num_gpus_per_worker: float = 0      # Ray GPUs per worker; > 0 puts the engine on CUDA
+    engine: str = "torch"               # `torch` (reference) or `vllm` (a key of ENGINES)
+    max_retries: int = 2                # retries of a prompt chunk whose worker died
+
+    def __post_init__(self) -> None:
+        if self.num_workers < 1:
+            raise ValueError(f"workers.num_workers must be >= 1, got {self.num_workers}")
+        if self.num_cpus_per_worker < 0 or self.num_gpus_per_worker < 0:
+            raise ValueError("workers.num_cpus_per_worker / num_gpus_per_worker must be >= 0, got "
+                             f"{self.num_cpus_per_worker} / {self.num_gpus_per_worker}")
+        if self.max_retries < 0:
+            raise ValueError(f"workers.max_retries must be >= 0, got {self.max_retries}")
+        if self.engine not in ENGINES:
+            raise ValueError(f"workers.engine {self.engine!r} unknown; choose from {sorted(ENGINES)}")
+
+    @property
+    def device(self) -> str:
+        return "cuda" if self.num_gpus_per_worker > 0 else "cpu"
+
+
 class WorkerPaused(RuntimeError):
     """generate() on a paused worker."""
 
@@ -56,17 +82,15 @@ class WorkerPaused(RuntimeError):
 class RolloutWorker:
     """generate / update_policy / update_heads / stats / pause / resume around one engine.
 
-    Plain class; rollout.accelerator wraps it with ray.remote and the config's resources.
+    Plain class; rollout.worker_pool wraps it with ray.remote and the config's resources.
     """
 
-    def __init__(self, worker_id: int, config: "WorkerConfig", policy_config: ModelConfig,
+    def __init__(self, worker_id: int, config: WorkerConfig, policy_config: ModelConfig,
                  policy_weights: FlatWeights, policy_version: int, head_weights: FlatWeights | None,
                  num_depths: int, head_version: int, *, dtype: str = "float32", num_threads: int | None = None):
-        if config.engine not in ENGINES:
-            raise ValueError(f"unknown engine {config.engine!r}; choose from {sorted(ENGINES)}")
         if num_threads is not None:
             torch.set_num_threads(num_threads)   # DESIGN.md: threads = the actor's CPU share
-        device = "cuda" if config.num_gpus_per_worker > 0 else "cpu"
+        device = config.device
         self.worker_id = worker_id
         policy = policy_from_flat(policy_config, policy_weights, dtype, device)
         heads = None if head_weights is None else heads_from_flat(policy_config, num_depths, head_weights, dtype,

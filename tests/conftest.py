@@ -1,4 +1,7 @@
-"""Tiny float32 random models shared by the tests."""
+"""Tiny float32 random models shared by the tests: the one place their size is defined.
+
+Test modules import `tiny_config` / `tiny_model` / `random_heads` from here (or use the
+`tiny_policy` / `tiny_heads` fixtures) instead of writing their own ModelConfig."""
 import pytest
 import torch
 
@@ -16,9 +19,14 @@ def tiny_config(vocab_size: int = 64, **overrides) -> ModelConfig:
     return ModelConfig(**base)
 
 
+def tiny_model(seed: int = 0, **overrides):
+    """A random float32 CausalLM of tiny_config(**overrides) (exact-equality checks hold)."""
+    return random_model(tiny_config(**overrides), seed=seed)
+
+
 @pytest.fixture
 def tiny_policy():
-    return random_model(tiny_config(), seed=0)
+    return tiny_model(seed=0)
 
 
 @pytest.fixture

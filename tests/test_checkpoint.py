@@ -1,5 +1,6 @@
 """Head checkpoints: round trip, atomic writes, refusal of heads built for another policy."""
 import json
+import os
 
 import pytest
 import torch
@@ -46,11 +47,9 @@ def test_failed_write_leaves_old_checkpoint_intact(tmp_path, tiny_policy, tiny_h
     before = path.read_bytes(), sidecar_path(path).read_bytes()
     changed = init_heads(tiny_policy, 2, seed=1)
 
-    def broken(tensors, filename, metadata=None):
-        with open(filename, "wb") as f:
-            f.write(b"partial")
+    def broken(fd):                       # the bytes went to the temporary file, then the disk fills up
         raise OSError("disk full")
-    monkeypatch.setattr(ckpt, "save_file", broken)
+    monkeypatch.setattr(os, "fsync", broken)
     with pytest.raises(OSError, match="disk full"):
         save_heads(path, changed, _meta(changed, ))
     assert (path.read_bytes(), sidecar_path(path).read_bytes()) == before

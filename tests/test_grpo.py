@@ -9,15 +9,14 @@ import torch
 
 from rollout.torch_engine import TorchEngine
 from rollout.types import Completion, RolloutBatch, SamplingParams
-from tests.conftest import tiny_config
-from rollout.models.decoder import random_model
+from tests.conftest import tiny_model
 from trainers.grpo import (GRPOConfig, GRPOTrainer, Prefetcher, ScheduleConfig, group_advantages,
-                           grpo_token_loss, pack, token_logprobs)
+                           grpo_token_loss, pack_completions, token_logprobs)
 
 
 @pytest.fixture
 def policy():
-    return random_model(tiny_config(vocab_size=64), seed=1)
+    return tiny_model(seed=1, vocab_size=64)
 
 
 def test_advantages_are_normalised_per_group():
@@ -50,7 +49,7 @@ def test_loss_matches_hand_computed_reference():
 
 
 def test_pack_places_completion_targets():
-    p = pack([[5, 6, 7], [8]], [[9, 10], [11, 12, 13]], [[-1.0, -2.0], [-3.0, -4.0, -5.0]], [0.5, -1.0])
+    p = pack_completions([[5, 6, 7], [8]], [[9, 10], [11, 12, 13]], [[-1.0, -2.0], [-3.0, -4.0, -5.0]], [0.5, -1.0])
     assert p.seq.tolist() == [[5, 6, 7, 9, 10], [8, 11, 12, 13, 0]]
     assert p.seq[:, 1:][p.target].tolist() == [9, 10, 11, 12, 13]
     assert p.old_logp.tolist() == [-1.0, -2.0, -3.0, -4.0, -5.0]
@@ -66,12 +65,14 @@ def _rollouts(policy, n=4, temperature=1.0, seed=0, max_new_tokens=6):
 def test_trainer_logprobs_equal_rollout_logprobs_before_any_update(policy):
     batch = _rollouts(policy)
     cs = batch.completions
-    packed = pack([c.prompt for c in cs], [c.tokens for c in cs], [c.logprobs for c in cs], [0.0] * len(cs))
+    packed = pack_completions([c.prompt for c in cs], [c.tokens for c in cs], [c.logprobs for c in cs],
+                              [0.0] * len(cs))
     trainer = GRPOTrainer(policy, GRPOConfig(group_size=2), total_steps=1)
     with torch.no_grad():
         logp, ent = token_logprobs(trainer.model, packed)
     assert torch.allclose(logp, packed.old_logp, atol=1e-5)       # ratio 1 on-policy
-    assert (ent > 0).all()
+    # the entropy bonus acts on the same per-token entropy the rollouts report (temperature 1)
+    assert torch.allclose(ent, torch.tensor([h for c in cs for h in c.entropies]), atol=1e-5)
 
 
 def test_positive_advantage_raises_that_completions_probability(policy):
@@ -80,7 +81,7 @@ def test_positive_advantage_raises_that_completions_probability(policy):
     trainer = GRPOTrainer(policy, cfg, total_steps=1)
     before = {n: p.clone() for n, p in trainer.model.named_parameters()}
     cs = batch.completions
-    packed = pack([c.prompt for c in cs], [c.tokens for c in cs], [c.logprobs for c in cs], [0.0, 0.0])
+    packed = pack_completions([c.prompt for c in cs], [c.tokens for c in cs], [c.logprobs for c in cs], [0.0, 0.0])
     stats = trainer.step(batch, rewards=[1.0, 0.0], step=0)
     with torch.no_grad():
         logp, _ = token_logprobs(trainer.model, packed)
@@ -98,7 +99,7 @@ def test_trained_weights_reach_an_engine(policy):
     trainer.step(_rollouts(policy, n=2), rewards=[1.0, 0.0], step=0)
     w = trainer.trained_weights()
     assert set(w) == {n for n in w if n.startswith(("model.layers.1.", "model.norm."))} and w
-    engine = TorchEngine(random_model(tiny_config(vocab_size=64), seed=1))
+    engine = TorchEngine(tiny_model(seed=1, vocab_size=64))
     engine.update_policy(w, version=1)
     tokens = torch.tensor([[3, 4, 5]])
     with torch.no_grad():
@@ -172,14 +173,15 @@ from pathlib import Path  # noqa: E402
 
 from omegaconf import OmegaConf  # noqa: E402
 
-from trainers.config import RunConfig, config_keys, load_config, write_resolved  # noqa: E402
+from rollout.config_loader import config_keys, keys_table, write_resolved  # noqa: E402
+from trainers.config import RunConfig, load_run_config  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_config_overrides_interpolation_and_resolved_roundtrip(tmp_path):
     run_dir = tmp_path / "run"
-    cfg, resolved = load_config([str(ROOT / "configs/smoke.yaml"), f"out_dir={run_dir}", "grpo.lr=0.5",
+    cfg, resolved = load_run_config([str(ROOT / "configs/smoke.yaml"), f"out_dir={run_dir}", "grpo.lr=0.5",
                                  "sampling.temperature.end=2.0", "tasks.domains=[reverse]"])
     assert isinstance(cfg, RunConfig) and cfg.grpo.lr == 0.5 and cfg.tasks.domains == ("reverse",)
     assert cfg.sampling.temperature.end == 2.0 and cfg.sampling.temperature.start == 0.8   # YAML kept
@@ -187,12 +189,12 @@ def test_config_overrides_interpolation_and_resolved_roundtrip(tmp_path):
     assert cfg.accelerator.monitor.out_dir == str(run_dir)                                 # follows out_dir
     path = write_resolved(resolved, run_dir)
     assert "${" not in path.read_text()
-    again, _ = load_config([str(path)])
+    again, _ = load_run_config([str(path)])
     assert again == cfg
 
 
 def test_now_gives_a_timestamped_run_dir():
-    cfg, _ = load_config([])
+    cfg, _ = load_run_config([])
     assert cfg.out_dir.startswith("runs/async_rl/") and "${" not in cfg.out_dir
     assert cfg.accelerator.cotrainer.checkpoint_dir == cfg.out_dir + "/cotrainer"
 
@@ -203,37 +205,62 @@ def test_now_gives_a_timestamped_run_dir():
 ])
 def test_bad_config_keys_name_the_key(args, key):
     with pytest.raises(ValueError, match=f"'{key}'"):
-        load_config(args)
+        load_run_config(args)
 
 
 def test_bad_key_in_yaml_names_file_and_key(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("grpo:\n  group_sise: 4\n")
     with pytest.raises(ValueError, match=r"bad.yaml.*'grpo.group_sise'"):
-        load_config([str(bad)])
+        load_run_config([str(bad)])
     with pytest.raises(ValueError, match="neither a YAML file"):
-        load_config([str(tmp_path / "missing.yaml")])
+        load_run_config([str(tmp_path / "missing.yaml")])
 
 
 def test_bad_values_are_rejected_by_the_dataclasses():
     with pytest.raises(ValueError, match="algebra"):
-        load_config(["tasks.domains=[algebra]"])
+        load_run_config(["tasks.domains=[algebra]"])
     with pytest.raises(ValueError, match="group_size"):
-        load_config(["grpo.group_size=1"])
+        load_run_config(["grpo.group_size=1"])
     with pytest.raises(ValueError, match="draft_mode"):
-        load_config(["sampling.draft_mode=beam"])
+        load_run_config(["sampling.draft_mode=beam"])
 
 
-def test_configs_readme_lists_every_key_with_its_default():
+def test_configs_readme_table_is_the_schema_and_every_key_has_a_meaning():
     text = (ROOT / "configs/README.md").read_text()
-    for key, default in config_keys():
-        assert f"| `{key}` | `{default}` |" in text, f"configs/README.md lacks {key} (default {default})"
+    after = text[text.index("## All keys"):]
+    block = after[after.index("| key | default | meaning |"):].split("\n\n")[0].strip()
+    assert block == keys_table(RunConfig), "configs/README.md is stale: paste `python -m trainers.config`"
+    undocumented = [k.key for k in config_keys(RunConfig) if not k.help]
+    assert not undocumented, f"give these fields a comment or metadata help: {undocumented}"
+
+
+def test_update_readme_rewrites_only_a_stale_table(tmp_path):
+    from trainers.config import update_readme_table
+
+    readme = tmp_path / "README.md"
+    current = (ROOT / "configs/README.md").read_text()
+    stale = current.replace("| `steps` | `20` | RL steps |\n", "")
+    assert stale != current
+    readme.write_text(stale)
+    assert update_readme_table(readme) and readme.read_text() == current
+    assert not update_readme_table(readme)
+
+
+def test_run_help_lists_every_key_with_default_and_meaning(capsys):
+    from experiments.async_rl import main
+
+    assert main(["--help"]) == 0
+    out = capsys.readouterr().out
+    for k in config_keys(RunConfig):
+        line = next(l for l in out.splitlines() if l.strip().startswith(f"{k.key} = "))
+        assert k.default in line and k.help in line
 
 
 @pytest.mark.parametrize("name", ["async_rl.yaml", "smoke.yaml"])
 def test_shipped_configs_load(name):
-    cfg, resolved = load_config([str(ROOT / "configs" / name)])
-    assert OmegaConf.to_yaml(resolved, resolve=True)
+    cfg, resolved = load_run_config([str(ROOT / "configs" / name)])
+    assert "${" not in resolved and OmegaConf.create(resolved).steps == cfg.steps
     assert cfg.grpo.group_size >= 2 and len(cfg.tasks.domains) >= 2
 
 
@@ -242,5 +269,5 @@ def test_main_job_defaults_to_async_rl_yaml():
 
     assert with_default_config(["steps=3"]) == [str(DEFAULT_CONFIG), "steps=3"]
     assert with_default_config(["configs/smoke.yaml", "steps=3"]) == ["configs/smoke.yaml", "steps=3"]
-    cfg, _ = load_config(with_default_config([]))
+    cfg, _ = load_run_config(with_default_config([]))
     assert cfg.accelerator.model == "smollm2-135m" and cfg.heads == "pretrained"

@@ -319,6 +319,35 @@ def test_bad_inputs_give_clear_errors(tmp_path):
         load_model("nope")
 
 
+def test_non_finite_weights_and_unreadable_files_are_named(tmp_path):
+    """NaN/inf weights would load silently and decode garbage (an empty answer, exit 0): refused,
+    naming the tensor; a damaged safetensors file is named."""
+    cfg = tiny_config()
+    sd = random_weights(cfg)
+    bad = dict(sd)
+    bad["model.layers.1.mlp.up_proj.weight"] = sd["model.layers.1.mlp.up_proj.weight"].clone()
+    bad["model.layers.1.mlp.up_proj.weight"][3, 4] = float("nan")
+    with pytest.raises(ValueError, match=r"tensor model\.layers\.1\.mlp\.up_proj\.weight holds non-finite "
+                                         r"values \(1 NaN, 0 inf"):
+        load_hf_dir(write_hf_dir(tmp_path / "nan_hf", cfg, bad))
+    bad["model.layers.1.mlp.up_proj.weight"][3, 4] = float("inf")
+    with pytest.raises(ValueError, match=r"nan_gguf\.gguf: tensor model\.layers\.1\.mlp\.up_proj\.weight .*1 inf"):
+        load_gguf(write_gguf(tmp_path / "nan_gguf.gguf", cfg, bad))
+    # quantised data whose block scale decodes to NaN (a corrupt Q8_0 block)
+    path = write_gguf(tmp_path / "q8.gguf", cfg, sd, qtype=Q.Q8_0)
+    reader = gguf.GGUFReader(str(path))
+    t = next(t for t in reader.tensors if t.name == "blk.0.ffn_down.weight")
+    raw = bytearray(path.read_bytes())
+    raw[t.data_offset:t.data_offset + 2] = np.array([np.nan], dtype=np.float16).tobytes()
+    path.write_bytes(bytes(raw))
+    with pytest.raises(ValueError, match=r"tensor model\.layers\.0\.mlp\.down_proj\.weight holds non-finite"):
+        load_gguf(path)
+    broken = write_hf_dir(tmp_path / "broken", cfg, sd)
+    (broken / "model.safetensors").write_bytes(b"\xff" * 64)
+    with pytest.raises(ValueError, match=r"broken/model\.safetensors: not a readable safetensors file"):
+        load_hf_dir(broken)
+
+
 def test_load_model_dispatches_on_spec(tmp_path):
     cfg = tiny_config()
     sd = random_weights(cfg)

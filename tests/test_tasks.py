@@ -5,8 +5,18 @@ from trainers.codec import ByteCodec
 from trainers.tasks import DOMAINS, Task, TaskConfig, TaskSampler, first_integer, score
 
 
-def test_registry_has_at_least_two_domains():
-    assert {"arithmetic", "reverse", "uppercase"} <= set(DOMAINS)
+@pytest.mark.parametrize("name", sorted(DOMAINS))
+def test_every_registered_domain_rewards_its_own_answer_and_only_that(name):
+    """A domain whose generator and scorer disagree gives RL no signal (or a wrong one)."""
+    cfg = TaskConfig(domains=(name,), operations="+-*")
+    tasks = TaskSampler(cfg).sample(40, step=0)
+    for task, other in zip(tasks, tasks[1:] + tasks[:1]):
+        assert task.domain == name
+        assert score(task, task.answer) == 1.0, task
+        assert score(task, f"My answer: {task.answer}") == 1.0, task
+        if other.answer != task.answer:
+            assert score(task, other.answer) == 0.0, (task, other.answer)
+    assert len({t.answer for t in tasks}) > 5          # the generator varies its tasks
 
 
 def test_sampling_is_deterministic_per_seed_and_step():

@@ -1,8 +1,10 @@
-"""The vLLM engine against the torch engine on one tiny float32 model and D = 1 heads.
+"""The vLLM engine against the torch engine on one tiny float32 model and D = 1 (recurrent) heads.
 
-vLLM reuses one drafter module for all k drafts, which is the torch engine with one depth, so
-with D = 1 both engines compute the same drafts: at temperature 0 outputs AND per-round accepted
-counts must be identical; at temperature 1 acceptance must agree within sampling error.
+vLLM applies one drafter layer recurrently at every draft position, which is the torch engine with
+one depth, so with D = 1 both engines compute the same drafts: at temperature 0 outputs AND
+per-round accepted counts must be identical; at temperature 1 the conditional acceptance at every
+draft position must agree within sampling error. Entropies (and hidden states) come from inside
+vLLM and must equal a teacher-forced pass of the torch policy.
 One vLLM instance serves the greedy-draft-mode tests (starts cost ~10-60 s); the rejection-mode
 test runs last in a second instance, with heads that have a reduced draft vocabulary.
 """
@@ -17,7 +19,8 @@ import torch
 from mtp_heads.heads import MTPHeads, init_heads
 from rollout.models.decoder import random_model
 from rollout.torch_engine import TorchEngine
-from rollout.types import SamplingParams
+from rollout.types import SamplingParams, SpecDecodingStats
+from rollout.verify import entropy, process_logits
 from tests.conftest import random_heads, tiny_config
 
 pytestmark = pytest.mark.vllm
@@ -51,7 +54,7 @@ def good_heads(policy):
 
 @pytest.fixture(scope="module")
 def engine(policy, good_heads, tmp_path_factory):
-    from rollout.vllm_engine import VLLMEngine, VLLMEngineConfig
+    from rollout.vllm import VLLMEngine, VLLMEngineConfig
 
     # own copies: refreshes change the engine's policy / heads in place
     eng = VLLMEngine(copy.deepcopy(policy), copy.deepcopy(good_heads),
@@ -68,6 +71,26 @@ def _assert_same_acceptance(a: np.ndarray, b: np.ndarray, k: int) -> None:
     """Mean accepted drafts per round agree within 4 standard errors (rounds ~ independent)."""
     se = math.sqrt(a.var(ddof=1) / len(a) + b.var(ddof=1) / len(b))
     assert abs(a.mean() - b.mean()) < 4 * se + 1e-9, (a.mean() / k, b.mean() / k, se / k)
+
+
+def _assert_same_per_position(a: SpecDecodingStats, b: SpecDecodingStats) -> None:
+    """Conditional acceptance accepted_j / reached_j agrees at every draft position j within 4 standard
+    errors of the difference of two proportions (pooled)."""
+    for j, (na, ra, nb, rb) in enumerate(zip(a.accepted_per_pos, a.reached_per_pos,
+                                             b.accepted_per_pos, b.reached_per_pos)):
+        assert ra >= 10 and rb >= 10, f"too few rounds reach position {j}: {ra}, {rb}"
+        pooled = (na + nb) / (ra + rb)
+        se = math.sqrt(max(pooled * (1 - pooled), 1e-4) * (1 / ra + 1 / rb))
+        assert abs(na / ra - nb / rb) < 4 * se, (j, na / ra, nb / rb, se)
+
+
+@torch.inference_mode()
+def _teacher_forced(policy, prompt: list[int], tokens: list[int], sp: SamplingParams):
+    """Our torch policy over prompt + completion in one forward: per-token entropy of the processed
+    target distribution [T] and the final-norm hidden state that predicted each token [T, d]."""
+    h = policy.hidden_states(torch.tensor([prompt + tokens[:-1]]))[0, len(prompt) - 1:]
+    probs = process_logits(policy.compute_logits(h), sp.temperature, sp.top_k, sp.top_p)
+    return entropy(probs).numpy(), h.numpy()
 
 
 # ------------------------------------------------------------------------------ greedy draft mode
@@ -96,6 +119,38 @@ def test_temperature_1_acceptance_matches_torch_greedy_mode(engine, policy, good
     theirs = engine.generate(prompts, _sp(1.0, "greedy", 40, seed=1))
     assert [len(c.tokens) for c in theirs.completions] == [40] * 8
     _assert_same_acceptance(_per_round(theirs), _per_round(ours), K)
+
+
+def test_entropies_and_hidden_states_come_from_vllm_without_a_second_pass(engine, policy, monkeypatch):
+    """Entropy of the processed target distribution (temperature, top-k, top-p) of every emitted token
+    and at every draft position, computed inside vLLM: equal to the torch policy's teacher-forced
+    values, and the engine's torch copy of the policy is never run."""
+    prompts = _prompts(4, seed=3)
+    sp = SamplingParams(max_new_tokens=24, temperature=0.9, top_k=40, top_p=0.9, num_draft_tokens=K,
+                        draft_mode="greedy", ignore_eos=True, seed=3, return_hidden_states=True)
+
+    def no_second_pass(*args, **kwargs):
+        raise AssertionError("the vLLM engine ran its torch policy")
+    monkeypatch.setattr(engine.policy, "hidden_states", no_second_pass)
+    batch = engine.generate(prompts, sp)
+    monkeypatch.undo()
+    reached = 0
+    for c in batch.completions:
+        ent, hidden = _teacher_forced(policy, c.prompt, c.tokens, sp)
+        assert len(c.entropies) == len(c.tokens) == 24
+        np.testing.assert_allclose(c.entropies, ent, atol=1e-3)
+        assert max(c.entropies) > 0.5                       # a real distribution, not a one-hot
+        np.testing.assert_allclose(c.hidden_states, hidden, atol=1e-4)
+        # round r verified positions t_r .. t_r + k: reached draft positions emitted tokens t_r + j
+        assert len(c.draft_entropies) == len(c.round_accepted)
+        t = 1                                                # token 0 came from the prefill step
+        for n, h in zip(c.round_accepted, c.draft_entropies):
+            assert len(h) == K and all(np.isfinite(h))     # unreached positions too (as the torch engine)
+            for j in range(min(n + 1, K, len(c.tokens) - t)):
+                assert abs(h[j] - c.entropies[t + j]) < 1e-5
+                reached += 1
+            t += n + 1
+    assert reached > 20
 
 
 def test_live_head_refresh_changes_acceptance_not_outputs(engine, policy, good_heads):
@@ -133,7 +188,7 @@ def test_policy_refresh_logprobs_match_torch(engine, good_heads):
 def test_rejection_mode_with_draft_vocab_matches_torch(engine, policy, good_heads, tmp_path):
     """A second vLLM instance: rejection mode, heads with a reduced draft vocabulary (q = 0 outside)."""
     from mtp_heads.checkpoint import set_draft_vocab
-    from rollout.vllm_engine import VLLMEngine, VLLMEngineConfig
+    from rollout.vllm import VLLMEngine, VLLMEngineConfig
 
     engine.close()                                # one vLLM instance at a time on the test machine
     heads = set_draft_vocab(copy.deepcopy(good_heads), torch.arange(0, CFG.vocab_size, 2))
@@ -163,13 +218,17 @@ def test_rejection_mode_with_draft_vocab_matches_torch(engine, policy, good_head
     cleared_t = TorchEngine(policy, good_heads).generate(prompts, _sp(0.0, "rejection"))
     cleared_v = engine.generate(prompts, _sp(0.0, "rejection"))
     assert [c.round_accepted for c in cleared_v.completions] == [c.round_accepted for c in cleared_t.completions]
+    # the recurrent drafter at temperature 1: conditional acceptance at every draft position (k = 3)
+    ours = TorchEngine(policy, good_heads).generate(prompts, _sp(1.0, "rejection", 48, seed=4))
+    theirs = engine.generate(prompts, _sp(1.0, "rejection", 48, seed=4))
+    _assert_same_per_position(theirs.spec_stats(), ours.spec_stats())
     assert engine.num_starts == 1
     engine.close()
 
 
 # ------------------------------------------------------------------------------ bad input
 def test_heads_for_another_policy_are_rejected(policy):
-    from rollout.vllm_engine import VLLMEngine
+    from rollout.vllm import VLLMEngine
 
     other = MTPHeads(tiny_config(vocab_size=256, hidden_size=64, intermediate_size=128), 1)
     with pytest.raises(ValueError, match="train or load heads for this policy"):
@@ -181,7 +240,7 @@ def test_heads_for_another_policy_are_rejected(policy):
 
 
 def test_bad_prompts_and_weights_rejected_before_vllm(policy, good_heads):
-    from rollout.vllm_engine import VLLMEngine
+    from rollout.vllm import VLLMEngine
 
     eng = VLLMEngine(copy.deepcopy(policy), copy.deepcopy(good_heads))
     with pytest.raises(ValueError, match="empty"):
@@ -200,22 +259,34 @@ def test_bad_prompts_and_weights_rejected_before_vllm(policy, good_heads):
 
 
 def test_missing_vllm_names_the_fix(monkeypatch, policy):
-    from rollout import vllm_engine
+    from rollout.vllm import install
 
     monkeypatch.setitem(sys.modules, "vllm", None)   # import vllm -> ImportError
     with pytest.raises(ImportError, match=r"pip install 'mtp-rollout\[vllm\]'"):
-        vllm_engine.require_vllm()
+        install.require_vllm()
 
 
 def test_vllm_without_draft_sampling_option_names_the_fix(monkeypatch):
     from dataclasses import dataclass
 
-    from rollout import vllm_engine
+    from rollout.vllm import install
 
     @dataclass
     class OldSpeculativeConfig:
         num_speculative_tokens: int = 0
 
-    monkeypatch.setattr(vllm_engine, "_speculative_config_class", lambda: OldSpeculativeConfig)
+    monkeypatch.setattr(install, "_speculative_config_class", lambda: OldSpeculativeConfig)
     with pytest.raises(RuntimeError, match=r"draft_sample_method.*pip install 'mtp-rollout\[vllm\]'"):
-        vllm_engine.require_vllm()
+        install.require_vllm()
+
+
+def test_plugin_entry_point_names_the_drafter_registration():
+    """vLLM loads `vllm.general_plugins` in every engine process: the entry point must resolve."""
+    import importlib
+    import tomllib
+    from pathlib import Path
+
+    meta = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())
+    target = meta["project"]["entry-points"]["vllm.general_plugins"]["mtp_rollout_drafter"]
+    module, func = target.split(":")
+    assert callable(getattr(importlib.import_module(module), func))

@@ -1,52 +1,40 @@
-"""The async RL job's configuration: frozen dataclasses, YAML files and `key=value` overrides.
+"""The async RL job's configuration schema: the frozen dataclasses of one `run`.
 
-    cfg, resolved = load_config(["configs/async_rl.yaml", "steps=5", "grpo.lr=3e-5"])
+    cfg, resolved = load_run_config(["configs/async_rl.yaml", "steps=5", "grpo.lr=3e-5"])
 
-The dataclasses are the schema (types and defaults), a YAML file overrides some of them
-and the command line overrides the YAML. Unknown keys and ill-typed values fail with a
-ValueError naming the key. `${now:%Y%m%d-%H%M%S}` gives a fresh run directory per run and
-`${out_dir}` lets nested keys (the monitor's directory) follow it; `write_resolved` stores
-the fully resolved config as <out_dir>/config.yaml. All keys with their defaults are
-listed in configs/README.md (`python -m trainers.config` prints them).
+Loading, overrides, errors, `--help` and the resolved config.yaml are rollout.config_loader's
+job; this module only says what a run is made of. `${out_dir}` lets nested keys (the monitor's
+directory, the co-trainer's checkpoints) follow the run directory. All keys with their
+defaults and meanings are listed in configs/README.md (`python -m trainers.config` prints them).
 """
 from __future__ import annotations
 
 import dataclasses
-import json
 import sys
-from datetime import datetime
 from pathlib import Path
 
-from omegaconf import DictConfig, OmegaConf
-from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
-
-from rollout.accelerator import AcceleratorConfig, CoTrainerConfig, WorkerConfig
+from rollout.accelerator import AcceleratorConfig
+from rollout.config_loader import keys_table, load_config
+from rollout.fileio import atomic_write
 from rollout.monitor import MonitorConfig
+from rollout.workers import WorkerConfig
 from rollout.types import DRAFT_MODES, SamplingParams
+from trainers.cotrainer import CoTrainerConfig
 from trainers.grpo import GRPOConfig, ScheduleConfig
 from trainers.tasks import TaskConfig
-
-if not OmegaConf.has_resolver("now"):
-    # one timestamp per process, so every ${now:...} in a config agrees
-    _START = datetime.now()
-
-
-    def _now(fmt: str) -> str:
-        return _START.strftime(fmt)
-
-    OmegaConf.register_resolver("now", _now, use_cache=True)
 
 
 @dataclasses.dataclass(frozen=True)
 class SamplingConfig:
     """How rollouts are sampled; the temperature follows a schedule over the run."""
 
-    max_new_tokens: int = 32
-    temperature: ScheduleConfig = dataclasses.field(default_factory=lambda: ScheduleConfig(0.8, 1.2))
-    top_k: int = 0
-    top_p: float = 1.0
-    num_draft_tokens: int = 3          # k drafted by the MTP heads per round; 0 = no speculation
-    draft_mode: str = "rejection"      # greedy | rejection (see DESIGN.md)
+    max_new_tokens: int = 32           # tokens generated per completion at most
+    temperature: ScheduleConfig = dataclasses.field(   # sampling temperature
+        default_factory=lambda: ScheduleConfig(0.8, 1.2))
+    top_k: int = 0                     # 0 = off
+    top_p: float = 1.0                 # 1 = off
+    num_draft_tokens: int = 3          # k tokens drafted by the heads per round (0: plain decoding)
+    draft_mode: str = "rejection"      # `rejection` (draft ~ q) or `greedy` (argmax q); both lossless
 
     def __post_init__(self) -> None:
         if self.draft_mode not in DRAFT_MODES:
@@ -74,82 +62,58 @@ class RunConfig:
     grpo: GRPOConfig = dataclasses.field(default_factory=GRPOConfig)
     tasks: TaskConfig = dataclasses.field(default_factory=TaskConfig)
     sampling: SamplingConfig = dataclasses.field(default_factory=SamplingConfig)
-    steps: int = 20
-    out_dir: str = "runs/async_rl/${now:%Y%m%d-%H%M%S}"   # the run directory; must not hold another run
-    heads: str = "pretrained"          # where the MTP heads come from: a key of experiments.async_rl.HEAD_SOURCES
-    trainer_threads: int = 1           # torch threads of the GRPO update in the driver process
-    progress: bool = True              # a tqdm line per step
-    seed: int = 0
+    steps: int = 20                    # RL steps
+    out_dir: str = "runs/async_rl/${now:%Y%m%d-%H%M%S}"   # the run directory (must not hold another run)
+    heads: str = "pretrained"          # where the heads come from: `pretrained` (cached `mtp-rollout train-heads`
+                                       # result), `init` (copy of the last policy layer, untrained), `path`
+                                       # (`accelerator.heads_path`)
+    trainer_threads: int = 1           # torch threads of the GRPO update in the driver
+    progress: bool = True              # tqdm progress line per step
+    seed: int = 0                      # seed of the policy update, sampling and tiny models
+    resume: bool = False               # continue out_dir's run from its last checkpoint (README: When things go wrong)
+    checkpoint_every: int = 5          # steps between run checkpoints in <out_dir>/checkpoints/ (policy, optimizer,
+                                       # heads, co-trainer, logs); 0 = none
 
     def __post_init__(self) -> None:
         if self.steps < 1:
             raise ValueError(f"steps must be >= 1, got {self.steps}")
         if self.trainer_threads < 1:
             raise ValueError(f"trainer_threads must be >= 1, got {self.trainer_threads}")
+        if self.checkpoint_every < 0:
+            raise ValueError(f"checkpoint_every must be >= 0 (0 = no checkpoints), got {self.checkpoint_every}")
 
 
-def _as_value_error(e: OmegaConfBaseException, where: str) -> ValueError:
-    key = getattr(e, "full_key", None) or "?"
-    first = str(e).splitlines()[0]
-    if isinstance(e, ConfigKeyError):
-        return ValueError(f"{where}: unknown config key {key!r} ({first}). "
-                          "All keys are listed in configs/README.md (python -m trainers.config).")
-    return ValueError(f"{where}: bad value for config key {key!r}: {first}")
+def load_run_config(argv: list[str]) -> tuple[RunConfig, str]:
+    """The RL job's config from `[yaml_path?, key=value ...]`; see rollout.config_loader.load_config."""
+    return load_config(RunConfig, argv)
 
 
-def load_config(argv: list[str]) -> tuple[RunConfig, DictConfig]:
-    """argv: YAML files and `key=value` overrides, applied left to right over the defaults.
-
-    Returns the validated RunConfig and the resolved DictConfig (what write_resolved stores).
-    """
-    merged: DictConfig = OmegaConf.structured(RunConfig)
-    for arg in argv:
-        if "=" in arg:
-            layer, where = OmegaConf.from_dotlist([arg]), f"override {arg!r}"
-        else:
-            if not Path(arg).is_file():
-                raise ValueError(f"{arg!r} is neither a YAML file nor a key=value override")
-            layer, where = OmegaConf.load(arg), arg
-        try:
-            merged = OmegaConf.merge(merged, layer)
-        except OmegaConfBaseException as e:
-            raise _as_value_error(e, where) from None
-    try:       # to_object resolves interpolations and runs the dataclasses' validation
-        cfg = OmegaConf.to_object(merged)
-    except OmegaConfBaseException as e:
-        raise _as_value_error(e, "config") from None
-    return cfg, merged
+USAGE = "python -m experiments.async_rl [configs/<job>.yaml] [key=value ...]"
+README = Path(__file__).resolve().parents[1] / "configs" / "README.md"
+TABLE_SECTION = "## All keys"
 
 
-def write_resolved(resolved: DictConfig, run_dir: str | Path) -> Path:
-    """<run_dir>/config.yaml: every key with the value this run used."""
-    path = Path(run_dir) / "config.yaml"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(OmegaConf.to_yaml(resolved, resolve=True), encoding="utf-8")
-    return path
+def update_readme_table(readme: Path = README) -> bool:
+    """Replace the key table under TABLE_SECTION with keys_table(RunConfig); True if it changed.
 
-
-def config_keys(cfg: DictConfig | None = None) -> list[tuple[str, str]]:
-    """(dotted key, default as YAML) for every leaf of the schema, in declaration order."""
-    cfg = OmegaConf.structured(RunConfig) if cfg is None else cfg
-    out: list[tuple[str, str]] = []
-
-    def walk(node: dict, prefix: str) -> None:
-        for k, v in node.items():
-            if isinstance(v, dict):
-                walk(v, f"{prefix}{k}.")
-            else:
-                out.append((f"{prefix}{k}", v if isinstance(v, str) else json.dumps(v)))
-
-    walk(OmegaConf.to_container(cfg, resolve=False), "")
-    return out
-
-
-def keys_table() -> str:
-    """Markdown table of all keys and their defaults (pasted into configs/README.md)."""
-    rows = [f"| `{k}` | `{v}` |" for k, v in config_keys()]
-    return "\n".join(["| key | default |", "|---|---|", *rows])
+    Why: the table is generated from the dataclasses (a test insists), so adding a field only
+    needs `python -m trainers.config --update-readme`, not hand-editing 80 rows."""
+    text = readme.read_text(encoding="utf-8")
+    head, sep, tail = text.partition(TABLE_SECTION)
+    if not sep or "| key | default | meaning |" not in tail:
+        raise ValueError(f"{readme} has no key table under {TABLE_SECTION!r}")
+    before, _, rest = tail.partition("| key | default | meaning |")
+    after = rest.split("\n\n", 1)[1] if "\n\n" in rest else ""
+    new = head + sep + before + keys_table(RunConfig) + "\n" + ("\n" + after if after else "")
+    if new != text:
+        atomic_write(readme, new)
+    return new != text
 
 
 if __name__ == "__main__":
-    print(keys_table() if len(sys.argv) < 2 else OmegaConf.to_yaml(load_config(sys.argv[1:])[1]))
+    # no argument: the keys table of configs/README.md; --update-readme: rewrite that table;
+    # otherwise the resolved config of the arguments, nothing run
+    if sys.argv[1:] == ["--update-readme"]:
+        print("configs/README.md " + ("updated" if update_readme_table() else "already up to date"))
+    else:
+        print(keys_table(RunConfig) if len(sys.argv) < 2 else load_run_config(sys.argv[1:])[1], end="")

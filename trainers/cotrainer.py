@@ -8,6 +8,7 @@ heads back to the facade, which publishes them to the workers.
 """
 from __future__ import annotations
 
+import copy
 import logging
 import os
 import random
@@ -15,25 +16,54 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 import torch
 
 from mtp_heads.checkpoint import HeadMeta, load_heads, save_heads
-from mtp_heads.fused_tv import fused_linear_tv_e2e_loss, fused_linear_tv_loss
-from mtp_heads.losses import IGNORE_INDEX, draft_loss
+from mtp_heads.distill import DistillBatch, DraftVocabMap, batch_from_replay, check_objective, default_unroll_steps, \
+    distill_loss
 from rollout.models.config import ModelConfig
 from rollout.weights import FlatWeights, heads_from_flat, pack, policy_from_flat, unpack
-from trainers.refresh import StepObservation, build_refresh_policy
-
-if TYPE_CHECKING:
-    from rollout.accelerator import CoTrainerConfig
+from trainers.refresh import REFRESH_POLICIES, StepObservation, build_refresh_policy
 
 logger = logging.getLogger(__name__)
 
 HEADS_NAME = "heads_latest.safetensors"   # mtp_heads.checkpoint format: usable as heads_path
 STATE_NAME = "cotrainer_state.pt"          # optimizer, refresh-policy state, history
+
+
+@dataclass(frozen=True)
+class CoTrainerConfig:
+    """The head co-trainer: its objective, when it refreshes, its resources and checkpoints."""
+
+    enabled: bool = True                # run the head co-trainer (false: heads stay as loaded)
+    loss: str = "tv"                    # head loss: `tv` (default), `tv_e2e`, `fkl`, `rkl`, `ce`
+    lr: float = 1e-3                    # co-trainer AdamW learning rate
+    steps_per_refresh: int = 20         # head training steps per refresh
+    batch_tokens: int = 2048            # tokens per head training batch (prompt + completion)
+    replay_capacity: int = 64           # recent completions kept for head training
+    refresh: tuple[str, ...] = ("entropy_rise",)   # when to refresh, any of: `every_n_steps`, `entropy_rise`,
+                                                   # `acceptance_drop`, `never`
+    every_n_steps: int = 10             # period of `every_n_steps`
+    entropy_delta: float = 0.1          # nats of entropy rise that trigger `entropy_rise`
+    acceptance_epsilon: float = 0.05    # acceptance drop that triggers `acceptance_drop`
+    num_cpus: float = 1                 # Ray CPUs of the co-trainer (also its torch threads)
+    num_gpus: float = 0                 # Ray GPUs of the co-trainer; > 0 trains on CUDA
+    checkpoint_dir: str | None = None   # where the co-trainer checkpoints (a restart resumes from it); null: none
+    temperature: float = 1.0            # temperature of the TV target p and student q (match the rollouts')
+    max_restarts: int = 1               # automatic restarts of a dead co-trainer
+    unroll_steps: int = 0               # draft steps trained per chain (training-time test); 0 = max(depths, 3)
+
+    def __post_init__(self) -> None:
+        refresh = (self.refresh,) if isinstance(self.refresh, str) else tuple(self.refresh)
+        bad = [r for r in refresh if r not in REFRESH_POLICIES]
+        if bad:
+            raise ValueError(f"cotrainer.refresh has unknown policies {bad}; choose from {sorted(REFRESH_POLICIES)}")
+        if self.num_cpus < 0 or self.num_gpus < 0:
+            raise ValueError(f"cotrainer.num_cpus / num_gpus must be >= 0, got {self.num_cpus} / {self.num_gpus}")
+        if self.max_restarts < 0:
+            raise ValueError(f"cotrainer.max_restarts must be >= 0, got {self.max_restarts}")
 
 
 @dataclass
@@ -49,74 +79,16 @@ class RefreshResult:
     weights: FlatWeights | None = None
 
 
-@dataclass
-class TeacherBatch:
-    """Padded replay sequences and, per depth j, which student rows to train on."""
-
-    tokens: torch.Tensor          # [B, T] int64, right-padded with 0
-    lengths: torch.Tensor         # [B]
-    prompt_lens: torch.Tensor     # [B]
-
-
-def _valid(batch: TeacherBatch, j: int, width: int) -> torch.Tensor:
-    """[B, width] bool: depth-j student at position i predicts token i+j+1 of the completion
-    from a real input token i+j (i+j >= prompt_len-1 and i+j < length)."""
-    pos = torch.arange(width, device=batch.lengths.device)[None] + j
-    return (pos >= batch.prompt_lens[:, None] - 1) & (pos < batch.lengths[:, None])
-
-
-# -- losses: (student per depth [B, T-j, d], policy hidden [B, T, d], batch, policy, T) -> scalar --
-
-def _tv(students, hidden, batch, policy, temperature):
-    rows_s, rows_t = [], []
-    for j, s in enumerate(students, start=1):
-        mask = _valid(batch, j, s.shape[1])
-        rows_s.append(s[mask])
-        rows_t.append(hidden[:, j:j + s.shape[1]][mask])
-    return fused_linear_tv_loss(torch.cat(rows_s), torch.cat(rows_t), policy.lm_head_weight.detach(), temperature)
-
-
-def _tv_e2e(students, hidden, batch, policy, temperature):
-    D = len(students)
-    width = students[-1].shape[1]                                                   # T - D
-    s = torch.stack([st[:, :width] for st in students], dim=2)                     # [B, T-D, D, d]
-    t = torch.stack([hidden[:, j:j + width] for j in range(1, D + 1)], dim=2)      # [B, T-D, D, d]
-    mask = _valid(batch, 1, width) & _valid(batch, D, width)
-    return fused_linear_tv_e2e_loss(s[mask], t[mask], policy.lm_head_weight.detach(), temperature)
-
-
-def _logit_loss(kind: str):
-    def loss(students, hidden, batch, policy, temperature):
-        s_logits, t_logits, labels = [], [], []
-        for j, s in enumerate(students, start=1):
-            mask = _valid(batch, j, s.shape[1])
-            s_logits.append(policy.compute_logits(s[mask]))
-            t_logits.append(policy.compute_logits(hidden[:, j:j + s.shape[1]][mask]))
-            nxt = torch.full_like(batch.tokens, IGNORE_INDEX)
-            nxt[:, :-1] = batch.tokens[:, 1:]
-            nxt[torch.arange(nxt.shape[1], device=nxt.device)[None] >= batch.lengths[:, None] - 1] = IGNORE_INDEX
-            labels.append(nxt[:, j:j + s.shape[1]][mask])                            # token i+j+1
-        return draft_loss(kind, torch.cat(s_logits), target_logits=torch.cat(t_logits),
-                          labels=torch.cat(labels), temperature=temperature)
-    return loss
-
-
-HEAD_LOSSES: dict[str, Callable] = {
-    "tv": _tv, "tv_e2e": _tv_e2e, "ce": _logit_loss("ce"), "fkl": _logit_loss("fkl"), "rkl": _logit_loss("rkl"),
-}
-
-
 class HeadCoTrainer:
     """Replay buffer + policy copy + heads + refresh policy + atomic checkpoints.
 
     Plain class: rollout.accelerator wraps it with ray.remote; tests may use it directly.
     """
 
-    def __init__(self, config: "CoTrainerConfig", policy_config: ModelConfig, policy_weights: FlatWeights,
+    def __init__(self, config: CoTrainerConfig, policy_config: ModelConfig, policy_weights: FlatWeights,
                  policy_version: int, head_weights: FlatWeights, num_depths: int, head_version: int = 0, *,
                  seed: int = 0, num_threads: int | None = None, device: str = "cpu"):
-        if config.loss not in HEAD_LOSSES:
-            raise ValueError(f"unknown co-trainer loss {config.loss!r}; choose from {sorted(HEAD_LOSSES)}")
+        check_objective(config.loss)
         if config.steps_per_refresh < 1 or config.batch_tokens < 1 or config.replay_capacity < 1:
             raise ValueError("steps_per_refresh, batch_tokens and replay_capacity must all be >= 1")
         if num_threads is not None:
@@ -126,6 +98,8 @@ class HeadCoTrainer:
         self.policy = policy_from_flat(policy_config, policy_weights, "float32", device)
         self.policy_version = policy_version
         self.heads = heads_from_flat(policy_config, num_depths, head_weights, "float32", device).train()
+        # the same draft steps (training-time test) and draft vocabulary as pre-training: mtp_heads.distill
+        self.unroll_steps = config.unroll_steps or default_unroll_steps(num_depths)
         self.head_version = head_version
         self.optimizer = torch.optim.AdamW(self.heads.parameters(), lr=config.lr, weight_decay=0.0)
         self.refresh_policy = build_refresh_policy(config)
@@ -183,11 +157,7 @@ class HeadCoTrainer:
             raise ValueError("the replay buffer is empty: add_rollouts() before train()")
         losses = []
         for _ in range(num_steps):
-            batch = self._sample_batch()
-            with torch.no_grad():
-                hidden = self.policy.hidden_states(batch.tokens)                  # [B, T, d]
-            students = self.heads.teacher_forced(self.policy, hidden, batch.tokens)
-            loss = HEAD_LOSSES[self.config.loss](students, hidden, batch, self.policy, self.config.temperature)
+            loss = self.batch_loss(self._sample_batch())
             self.optimizer.zero_grad(set_to_none=True)
             loss.backward()
             self.optimizer.step()
@@ -195,8 +165,16 @@ class HeadCoTrainer:
             losses.append(loss.item())
         return losses
 
-    def _sample_batch(self) -> TeacherBatch:
-        """Random replay sequences until batch_tokens is reached (at least one)."""
+    def batch_loss(self, batch: DistillBatch) -> torch.Tensor:
+        """The co-trainer's loss on a batch: the distillation core with the heads' own draft vocabulary
+        (the rows drafting computes) and the same draft steps as pre-training."""
+        vocab = DraftVocabMap.for_heads(self.policy, self.heads)
+        return distill_loss(self.heads, self.policy, batch, self.config.loss, vocab,
+                            temperature=self.config.temperature, steps=self.unroll_steps).loss
+
+    def _sample_batch(self) -> DistillBatch:
+        """Random replay sequences until batch_tokens is reached (at least one), with the current
+        policy's states (mtp_heads.distill.batch_from_replay)."""
         picked, total = [], 0
         order = list(range(len(self.replay)))
         self.rng.shuffle(order)
@@ -205,12 +183,7 @@ class HeadCoTrainer:
             total += len(picked[-1][0])
             if total >= self.config.batch_tokens:
                 break
-        T = max(len(seq) for seq, _ in picked)
-        tokens = torch.zeros(len(picked), T, dtype=torch.long)
-        for b, (seq, _) in enumerate(picked):
-            tokens[b, :len(seq)] = torch.from_numpy(seq)
-        return TeacherBatch(tokens.to(self.device), torch.tensor([len(s) for s, _ in picked], device=self.device),
-                            torch.tensor([p for _, p in picked], device=self.device))
+        return batch_from_replay(self.policy, picked, self.device)
 
     # -- outputs ----------------------------------------------------------------------------
 
@@ -221,6 +194,29 @@ class HeadCoTrainer:
         return {"head_version": self.head_version, "policy_version": self.policy_version,
                 "replay_size": len(self.replay), "train_steps": self.train_steps,
                 "refreshes": list(self.history), "resumed_from": self.resumed_from, "pid": os.getpid()}
+
+    # -- a run's checkpoint (resume=true) -------------------------------------------------------
+
+    def state(self) -> dict:
+        """Everything a resumed run needs to continue as if never stopped (plain tensors and lists)."""
+        return {"heads": {k: v.detach().cpu().clone() for k, v in self.heads.state_dict().items()},
+                "optimizer": copy.deepcopy(self.optimizer.state_dict()), "head_version": self.head_version,
+                "refresh_state": self.refresh_policy.state(), "history": list(self.history),
+                "train_steps": self.train_steps, "rng": list(self.rng.getstate()[1]),
+                "replay": [(torch.from_numpy(seq.copy()), int(plen)) for seq, plen in self.replay]}
+
+    def load_state(self, state: dict) -> None:
+        """Undo state(); rewrites checkpoint_dir so that a later restart resumes from this state."""
+        self.heads.load_state_dict(state["heads"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.head_version = int(state["head_version"])
+        self.refresh_policy.load_state(state["refresh_state"])
+        self.history = list(state["history"])
+        self.train_steps = int(state["train_steps"])
+        self.rng.setstate((3, tuple(state["rng"]), None))
+        self.replay.clear()
+        self.replay.extend((seq.numpy().astype(np.int64), plen) for seq, plen in state["replay"])
+        self._save_checkpoint()
 
     # -- checkpoints ---------------------------------------------------------------------------
 

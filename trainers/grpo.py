@@ -43,9 +43,9 @@ SCHEDULES: dict[str, Callable[[float], float]] = {
 class ScheduleConfig:
     """A value that moves from `start` (step 0) to `end` (last step) along `shape`."""
 
-    start: float = 0.0
-    end: float = 0.0
-    shape: str = "linear"     # one of SCHEDULES: constant (stays at start) | linear | cosine
+    start: float = 0.0        # value at step 0
+    end: float = 0.0          # value at the last step
+    shape: str = "linear"     # `constant` (stays at start), `linear`, `cosine`
 
     def __post_init__(self) -> None:
         if self.shape not in SCHEDULES:
@@ -63,20 +63,21 @@ class ScheduleConfig:
 class GRPOConfig:
     """The policy update. Defaults suit a 135M model on 2 CPU cores."""
 
-    prompts_per_step: int = 4
-    group_size: int = 4                  # G completions per prompt
-    lr: float = 1e-5
-    weight_decay: float = 0.0
-    betas: tuple[float, float] = (0.9, 0.999)
-    clip_low: float = 0.2                # ratio clipped to [1 - clip_low, 1 + clip_high]
-    clip_high: float = 0.28              # DAPO's clip-higher: leaves room for low-probability tokens to grow
-    max_grad_norm: float = 1.0
-    adv_eps: float = 1e-6
-    entropy_coef: ScheduleConfig = field(default_factory=lambda: ScheduleConfig(0.0, 0.01))
+    prompts_per_step: int = 4            # prompts P per RL step
+    group_size: int = 4                  # completions G per prompt (advantages are normalised within a group)
+    lr: float = 1e-5                     # AdamW learning rate of the policy
+    weight_decay: float = 0.0            # AdamW weight decay
+    betas: tuple[float, float] = (0.9, 0.999)   # AdamW betas
+    clip_low: float = 0.2                # ratio clipped below at 1 - clip_low
+    clip_high: float = 0.28              # ratio clipped above at 1 + clip_high (DAPO's clip-higher: room for
+                                         # low-probability tokens to grow)
+    max_grad_norm: float = 1.0           # gradient norm clip
+    adv_eps: float = 1e-6                # added to the group's reward std
+    entropy_coef: ScheduleConfig = field(default_factory=lambda: ScheduleConfig(0.0, 0.01))  # entropy bonus coefficient
     micro_batch: int = 8                 # completions per forward/backward (memory bound)
-    train_last_layers: int = 2           # train the last N decoder layers; -1 = all
-    train_final_norm: bool = True
-    train_embeddings: bool = False       # the embedding is shared with the LM head and the MTP heads
+    train_last_layers: int = 2           # train the last N decoder layers (-1: all); the rest is frozen
+    train_final_norm: bool = True        # train the final RMSNorm
+    train_embeddings: bool = False       # train the (tied) embedding / LM head, which the MTP heads share
 
     def __post_init__(self) -> None:
         if self.prompts_per_step < 1 or self.group_size < 2:
@@ -129,8 +130,8 @@ class PackedTokens:
     adv: torch.Tensor        # [M] its completion's advantage
 
 
-def pack(prompts: list[list[int]], completions: list[list[int]], old_logprobs: list[list[float]],
-         advantages: list[float]) -> PackedTokens:
+def pack_completions(prompts: list[list[int]], completions: list[list[int]], old_logprobs: list[list[float]],
+                     advantages: list[float]) -> PackedTokens:
     """Lay prompt+completion rows side by side; completions without tokens contribute none."""
     L = max(len(p) + len(c) for p, c in zip(prompts, completions))
     seq = torch.zeros(len(prompts), L, dtype=torch.long)
@@ -182,8 +183,8 @@ class GRPOTrainer:
             part = comps[lo:lo + cfg.micro_batch]
             if not any(c.tokens for c in part):
                 continue
-            packed = pack([c.prompt for c in part], [c.tokens for c in part], [c.logprobs for c in part],
-                          adv[lo:lo + cfg.micro_batch])
+            packed = pack_completions([c.prompt for c in part], [c.tokens for c in part],
+                                      [c.logprobs for c in part], adv[lo:lo + cfg.micro_batch])
             logp, ent = token_logprobs(self.model, packed)
             loss, stats = grpo_token_loss(logp, packed.old_logp, packed.adv, ent, clip_low=cfg.clip_low,
                                           clip_high=cfg.clip_high, entropy_coef=coef, num_tokens=num_tokens)

@@ -16,10 +16,9 @@ import torch
 
 from rollout.models.config import ModelConfig
 from rollout.models.decoder import CausalLM, build_model, random_model
+from rollout.models.dtypes import parse_dtype
 from rollout.models.loaders import LoadedModel, load_model
 from trainers.codec import ByteCodec, ChatCodec, TextCodec
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 # a byte-level tiny model: seconds per RL step on a CPU (smoke job, tests)
 TINY_RANDOM = ModelConfig(vocab_size=288, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -46,18 +45,12 @@ def _tiny_random(dtype: torch.dtype, seed: int) -> Policy:
 BUILTIN_POLICIES: dict[str, Callable[[torch.dtype, int], Policy]] = {"tiny-random": _tiny_random}
 
 
-def dtype_of(name: str) -> torch.dtype:
-    if name not in DTYPES:
-        raise ValueError(f"unknown dtype {name!r}; choose one of {sorted(DTYPES)}")
-    return DTYPES[name]
-
-
-def load_policy(spec: str, dtype: str = "float32", seed: int = 0) -> Policy:
+def load_rl_policy(spec: str, dtype: str = "float32", seed: int = 0) -> Policy:
     """spec: 'tiny-random' (seeded), or anything rollout.models.loaders.load_model accepts."""
     if spec in BUILTIN_POLICIES:
-        return BUILTIN_POLICIES[spec](dtype_of(dtype), seed)
+        return BUILTIN_POLICIES[spec](parse_dtype(dtype), seed)
     loaded = load_model(spec)
-    return Policy(build_model(loaded.config, loaded.state_dict, dtype_of(dtype)), ChatCodec(loaded), loaded.source,
+    return Policy(build_model(loaded.config, loaded.state_dict, parse_dtype(dtype)), ChatCodec(loaded), loaded.source,
                   loaded)
 
 

@@ -31,12 +31,12 @@ class Task:
 class TaskConfig:
     """Which domains to draw from and how hard the tasks are."""
 
-    domains: tuple[str, ...] = ("arithmetic", "reverse", "uppercase")
-    weights: tuple[float, ...] = ()    # sampling weight per domain; empty = uniform
-    max_operand: int = 50              # arithmetic operands are drawn from [0, max_operand]
-    operations: str = "+-"             # arithmetic operators to draw from (subset of "+-*")
-    max_word_length: int = 6           # string tasks use built-in words up to this many letters
-    seed: int = 0
+    domains: tuple[str, ...] = ("arithmetic", "reverse", "uppercase")   # task domains drawn each step
+    weights: tuple[float, ...] = ()    # sampling weight per domain ([] = uniform)
+    max_operand: int = 50              # arithmetic operands in [0, max_operand]
+    operations: str = "+-"             # arithmetic operators drawn from (subset of `+-*`)
+    max_word_length: int = 6           # longest word in the string tasks
+    seed: int = 0                      # task seed: step s always gets the same tasks
 
     def __post_init__(self) -> None:
         unknown = [d for d in self.domains if d not in DOMAINS]

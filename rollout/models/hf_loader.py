@@ -84,7 +84,19 @@ def select_tensors(cfg: ModelConfig, tensors: dict[str, torch.Tensor], source: s
     wrong = [f"{n}: {tuple(tensors[n].shape)} != {s}" for n, s in shapes.items() if tuple(tensors[n].shape) != s]
     if wrong:
         raise ValueError(f"{source}: tensor shapes do not match config.json: {wrong[:5]}")
-    return {n: tensors[n] for n in shapes}
+    selected = {n: tensors[n] for n in shapes}
+    check_finite(selected, source)
+    return selected
+
+
+def check_finite(tensors: dict[str, torch.Tensor], source: str) -> None:
+    """Refuse weights holding NaN or inf (a damaged file or a bad dequantisation), naming the tensor:
+    they would load silently and decode garbage."""
+    for name, t in tensors.items():
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            n_nan, n_inf = int(torch.isnan(t).sum()), int(torch.isinf(t).sum())
+            raise ValueError(f"{source}: tensor {name} holds non-finite values ({n_nan} NaN, {n_inf} inf of "
+                             f"{t.numel()}); the file is damaged or was written wrongly")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -234,7 +246,10 @@ def load_hf_dir(path: str | os.PathLike, dtype: torch.dtype | None = None) -> Lo
                          _read_json(gen_path) if gen_path.is_file() else None, source=str(path))
     tensors: dict[str, torch.Tensor] = {}
     for f in _safetensors_files(path):
-        tensors.update(load_file(f))
+        try:
+            tensors.update(load_file(f))
+        except Exception as e:  # noqa: BLE001 - safetensors raises its own types, without the file name
+            raise ValueError(f"{f}: not a readable safetensors file ({type(e).__name__}: {e})") from None
     state_dict = select_tensors(cfg, tensors, str(path))
     if dtype is not None:
         state_dict = {k: v.to(dtype) for k, v in state_dict.items()}

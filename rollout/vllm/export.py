@@ -14,7 +14,7 @@ from safetensors.torch import save_file
 from mtp_heads.heads import MTPHeads
 from rollout.models.decoder import CausalLM
 from rollout.models.hf_loader import LoadedModel, export_hf_dir, hf_config_dict
-from rollout.vllm_drafter import ARCHITECTURE, DRAFT_VOCAB
+from rollout.vllm.drafter import ARCHITECTURE, DRAFT_VOCAB
 
 
 def export_policy_dir(policy: CausalLM, out_dir: str | Path, dtype: torch.dtype = torch.float32) -> Path:

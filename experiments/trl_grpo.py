@@ -1,0 +1,263 @@
+"""TRL's GRPOTrainer on the default model, rolling out through the accelerator.
+
+    python -m experiments.trl_grpo [configs/trl_grpo.yaml] [key=value ...]
+    python -m experiments.trl_grpo --help                 # every key, its default and meaning
+
+The model (SmolLM2-135M-Instruct by default) is exported once to an HF directory with our
+exporter; transformers loads it for TRL's trainer and our decoder for the rollout workers, so
+both start from the same weights. Prompts and verifiable rewards are trainers/tasks.py's.
+rollout.integrations.trl.TRLRollout is TRL's rollout function and the callback that syncs the
+trained layers after each optimizer step and writes the monitor's record of each step.
+The run directory gets config.yaml, the monitor's files and figures, trl_log.jsonl (TRL's
+logged rows) and summary.json; with compare_without_speculation=true a second run with the
+same settings but k=0 goes to <out_dir>/no_spec and both are printed side by side.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import ray
+import torch
+
+from mtp_heads.heads import MTPHeads, init_heads
+from rollout.accelerator import AcceleratorConfig, RolloutAccelerator
+from rollout.config_loader import config_help, load_config, wants_help, write_resolved
+from rollout.models.decoder import CausalLM, build_model
+from rollout.models.default_model import cache_dir
+from rollout.models.loaders import LoadedModel, export_hf_dir, load_model
+from rollout.monitor import AcceptanceMonitor, MonitorConfig
+from rollout.types import DRAFT_MODES
+from trainers.cotrainer import CoTrainerConfig
+from trainers.tasks import Task, TaskConfig, TaskSampler, score
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "trl_grpo.yaml"
+USAGE = "usage: python -m experiments.trl_grpo [configs/trl_grpo.yaml] [key=value ...]"
+
+
+@dataclasses.dataclass(frozen=True)
+class TRLTrainConfig:
+    """The policy update: GRPOConfig fields under TRL's own names."""
+
+    max_steps: int = 4                  # optimizer steps (= RL steps: one generation per step)
+    prompts_per_step: int = 2           # distinct prompts per step
+    num_generations: int = 4            # completions per prompt (G)
+    learning_rate: float = 1e-5         # AdamW learning rate of the trained layers
+    max_completion_length: int = 24     # new tokens per completion at most
+    temperature: float = 1.0            # 1.0: the rollout log-probs are exactly the ones TRL scores
+    beta: float = 0.0                   # KL coefficient to a reference model (0: none is loaded)
+    loss_type: str = "dapo"             # TRL's loss_type
+    entropy_coef: float = 0.0           # TRL's entropy bonus
+    train_last_layers: int = 2          # train the last N decoder layers and the final norm; -1 = all
+
+    def __post_init__(self) -> None:
+        if self.max_steps < 1 or self.prompts_per_step < 1 or self.num_generations < 2:
+            raise ValueError("trl needs max_steps >= 1, prompts_per_step >= 1 and num_generations >= 2, got "
+                             f"{self.max_steps}, {self.prompts_per_step}, {self.num_generations}")
+
+
+def _default_accelerator() -> AcceleratorConfig:
+    return AcceleratorConfig(cotrainer=CoTrainerConfig(checkpoint_dir="${out_dir}/cotrainer"),
+                             monitor=MonitorConfig(out_dir="${out_dir}"))
+
+
+@dataclasses.dataclass(frozen=True)
+class TRLRunConfig:
+    """One TRL GRPO run with speculative rollouts from the accelerator."""
+
+    accelerator: AcceleratorConfig = dataclasses.field(default_factory=_default_accelerator)
+    trl: TRLTrainConfig = dataclasses.field(default_factory=TRLTrainConfig)
+    tasks: TaskConfig = dataclasses.field(default_factory=TaskConfig)
+    num_draft_tokens: int = 3           # k drafted per round by the MTP heads; 0 = plain decoding
+    draft_mode: str = "rejection"       # greedy | rejection
+    heads: str = "pretrained"           # pretrained (cached `train-heads` result) | init | path (accelerator.heads_path)
+    hf_dir: str = ""                    # HF export of accelerator.model; "" = <cache>/hf/<model name>
+    out_dir: str = "runs/trl_grpo/${now:%Y%m%d-%H%M%S}"   # the run directory; must not hold another run
+    compare_without_speculation: bool = False   # then a second run, k=0, same settings, in <out_dir>/no_spec
+    trainer_threads: int = 1            # torch threads of TRL's update in the driver
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.draft_mode not in DRAFT_MODES:
+            raise ValueError(f"draft_mode must be one of {DRAFT_MODES}, got {self.draft_mode!r}")
+        if self.heads not in ("pretrained", "init", "path"):
+            raise ValueError(f"heads must be pretrained, init or path, got {self.heads!r}")
+
+
+# ------------------------------------------------------------------------------ setup
+
+
+def hf_export(cfg: TRLRunConfig, loaded: LoadedModel) -> Path:
+    """The HF directory TRL loads: the model itself if it is one, else our export of it (cached)."""
+    if Path(cfg.accelerator.model).is_dir():
+        return Path(cfg.accelerator.model)
+    out = Path(cfg.hf_dir) if cfg.hf_dir else cache_dir() / "hf" / Path(str(cfg.accelerator.model)).stem
+    if not (out / "config.json").is_file():
+        logger.info("exporting %s to %s", loaded.source, out)
+        export_hf_dir(loaded, out, overwrite=out.exists())
+    return out
+
+
+def make_heads(cfg: TRLRunConfig, policy: CausalLM, loaded: LoadedModel) -> MTPHeads | None:
+    acc = cfg.accelerator
+    if cfg.heads == "init":
+        return init_heads(policy, acc.num_depths, seed=cfg.seed)
+    if cfg.heads == "path":
+        return None                                       # the accelerator loads accelerator.heads_path
+    from mtp_heads.pretrain import PretrainPlan, TrainConfig, load_or_train_default_heads
+    plan = PretrainPlan(model=acc.model, train=TrainConfig(num_depths=acc.num_depths, loss=acc.cotrainer.loss))
+    return load_or_train_default_heads(policy, loaded, model_spec=acc.model, plan=plan)[0]
+
+
+def freeze_all_but_last(model: torch.nn.Module, n_layers: int) -> list[str]:
+    """requires_grad only on the last n decoder layers and the final norm (-1: everything); the
+    trainable names, which are also what each sync sends."""
+    total = model.config.num_hidden_layers
+    keep = [f"model.layers.{i}." for i in range(0 if n_layers == -1 else total - n_layers, total)] + ["model.norm."]
+    for name, p in model.named_parameters():
+        p.requires_grad_(n_layers == -1 or name.startswith(tuple(keep)))
+    return [n for n, p in model.named_parameters() if p.requires_grad]
+
+
+def task_reward(prompts, completions, answer, domain, **_) -> list[float]:
+    """trainers.tasks' verifiable reward of each chat completion."""
+    return [score(Task(d, p[-1]["content"], a), c[-1]["content"])
+            for p, c, a, d in zip(prompts, completions, answer, domain)]
+
+
+def task_dataset(cfg: TRLRunConfig):
+    """prompts_per_step tasks per step, in step order (TRL's shuffling is off)."""
+    import datasets
+
+    sampler = TaskSampler(cfg.tasks)
+    tasks = [t for s in range(cfg.trl.max_steps) for t in sampler.sample(cfg.trl.prompts_per_step, s)]
+    return datasets.Dataset.from_dict({"prompt": [[{"role": "user", "content": t.prompt}] for t in tasks],
+                                       "answer": [t.answer for t in tasks], "domain": [t.domain for t in tasks]})
+
+
+# ------------------------------------------------------------------------------ one run
+
+
+def train(cfg: TRLRunConfig, run_dir: Path, hf_dir: Path, policy: CausalLM, heads: MTPHeads | None,
+          num_draft_tokens: int) -> dict:
+    """One TRL GRPO run; returns its summary (also written to <run_dir>/summary.json)."""
+    import transformers
+    from trl import GRPOConfig, GRPOTrainer
+
+    from rollout.integrations.trl import TRLRollout
+
+    t = cfg.trl
+    acc_cfg = dataclasses.replace(cfg.accelerator, monitor=dataclasses.replace(cfg.accelerator.monitor,
+                                                                             out_dir=str(run_dir)))
+    model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+    freeze_all_but_last(model, t.train_last_layers)
+    args = GRPOConfig(
+        output_dir=str(run_dir / "trl"), max_steps=t.max_steps, per_device_train_batch_size=t.prompts_per_step
+        * t.num_generations, num_generations=t.num_generations, learning_rate=t.learning_rate,
+        max_completion_length=t.max_completion_length, temperature=t.temperature, beta=t.beta, loss_type=t.loss_type,
+        entropy_coef=t.entropy_coef, shuffle_dataset=False, logging_steps=1, save_strategy="no", report_to="none",
+        use_cpu=True, bf16=False, seed=cfg.seed, disable_tqdm=True, dataloader_num_workers=0)
+    t0 = time.perf_counter()
+    accel = RolloutAccelerator.from_config(acc_cfg, policy=policy, heads=heads)
+    try:
+        rollout = TRLRollout(accel, num_draft_tokens=num_draft_tokens, draft_mode=cfg.draft_mode, seed=cfg.seed)
+        trainer = GRPOTrainer(model=model, reward_funcs=[task_reward], args=args,
+                              processing_class=transformers.AutoTokenizer.from_pretrained(hf_dir),
+                              train_dataset=task_dataset(cfg), rollout_func=rollout, callbacks=[rollout])
+        trainer.train()
+    finally:
+        accel.shutdown()                                  # closes the monitor: CSV and figures
+    wall = time.perf_counter() - t0
+    with open(run_dir / "trl_log.jsonl", "w", encoding="utf-8") as f:
+        for row in trainer.state.log_history:
+            f.write(json.dumps(row) + "\n")
+    return summarize(run_dir, num_draft_tokens, wall)
+
+
+def summarize(run_dir: Path, k: int, wall_s: float) -> dict:
+    steps = [r for r in AcceptanceMonitor.load_records(run_dir) if "event" not in r]
+    col = lambda key: [r.get(key) for r in steps]                                    # noqa: E731
+    out = {"num_draft_tokens": k, "wall_s": wall_s, "steps": col("step"), "rollout_s": col("wall_time_s"),
+           "tokens_per_s": col("tokens_per_s"), "acceptance_rate": col("acceptance_rate"),
+           "acceptance_length": col("acceptance_length"), "entropy": col("entropy_drafted"),
+           "reward": [r["extra"].get("reward") for r in steps], "policy_version": col("policy_version_max"),
+           "head_version": col("head_version_max")}
+    # the first rollout pays the workers' warm-up: medians over the later steps compare runs
+    for key in ("rollout_s", "tokens_per_s"):
+        out[f"{key}_median_after_first"] = float(np.median(out[key][1:] or out[key]))
+    (run_dir / "summary.json").write_text(json.dumps(out, indent=1) + "\n")
+    return out
+
+
+def _fmt(xs) -> str:
+    return " ".join("nan" if x is None or x != x else f"{x:.3g}" for x in xs)
+
+
+def report(runs: list[dict]) -> str:
+    lines = []
+    for s in runs:
+        lines += [f"k={s['num_draft_tokens']}: wall {s['wall_s']:.0f}s, rollout s/step [{_fmt(s['rollout_s'])}] "
+                  f"(median after the first {s['rollout_s_median_after_first']:.2f}s), tokens/s "
+                  f"[{_fmt(s['tokens_per_s'])}]",
+                  f"      acceptance [{_fmt(s['acceptance_rate'])}], tau [{_fmt(s['acceptance_length'])}], "
+                  f"reward [{_fmt(s['reward'])}], policy versions {s['policy_version']}"]
+    if len(runs) == 2:
+        a, b = runs
+        lines.append(f"k={a['num_draft_tokens']} vs k=0, medians over the steps after the first: rollout time "
+                     f"{a['rollout_s_median_after_first'] / b['rollout_s_median_after_first']:.2f}x, tokens/s "
+                     f"{a['tokens_per_s_median_after_first'] / b['tokens_per_s_median_after_first']:.2f}x "
+                     "(> 1 tokens/s: speculation is faster)")
+    return "\n".join(lines)
+
+
+def run(cfg: TRLRunConfig, resolved: str) -> list[dict]:
+    run_dir = Path(cfg.out_dir)
+    if (run_dir / "monitor.jsonl").exists():
+        raise ValueError(f"{run_dir} already holds a run; pass another out_dir=...")
+    write_resolved(resolved, run_dir)
+    torch.manual_seed(cfg.seed)
+    torch.set_num_threads(cfg.trainer_threads)
+    os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+    loaded = load_model(cfg.accelerator.model)
+    policy = build_model(loaded.config, loaded.state_dict, torch.float32)
+    hf_dir = hf_export(cfg, loaded)
+    heads = make_heads(cfg, policy, loaded)
+    owns_ray = not ray.is_initialized()
+    if owns_ray:                                          # one Ray for both runs
+        ray.init(address=cfg.accelerator.ray_address, include_dashboard=False)
+    try:
+        runs = [train(cfg, run_dir, hf_dir, policy, heads, cfg.num_draft_tokens)]
+        if cfg.compare_without_speculation:
+            runs.append(train(cfg, run_dir / "no_spec", hf_dir, policy, heads, 0))
+    finally:
+        if owns_ray:
+            ray.shutdown()
+    print(report(runs))
+    print(f"figures: {run_dir / AcceptanceMonitor.PNG_SCATTER}, {run_dir / AcceptanceMonitor.PNG_STEPS}")
+    return runs
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point (`mtp-rollout trl-grpo`): YAML files and key=value overrides; without a YAML
+    file configs/trl_grpo.yaml comes first."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if wants_help(argv):
+        print(config_help(TRLRunConfig, usage=USAGE))
+        return 0
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    if all("=" in a for a in argv):
+        argv = [str(DEFAULT_CONFIG), *argv]
+    run(*load_config(TRLRunConfig, argv))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

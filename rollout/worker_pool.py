@@ -1,0 +1,111 @@
+"""N rollout workers as Ray actors: split prompts over them, retry a chunk whose worker died.
+
+A worker that dies mid-generate is replaced by a fresh actor loading the newest published
+weights, and its prompt chunk is re-run on the next worker; a chunk keeps its own sampling
+seed across retries, so the completions do not depend on which worker produced them.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import threading
+from collections.abc import Callable
+
+import numpy as np
+import ray
+from ray.exceptions import RayActorError
+
+from rollout.published_weights import PublishedWeights
+from rollout.types import RolloutBatch, SamplingParams
+from rollout.workers import RolloutWorker, WorkerConfig
+
+logger = logging.getLogger(__name__)
+
+
+def actor_threads(num_cpus: float) -> int:
+    """Torch threads of an actor = its whole CPUs (DESIGN.md: more threads than CPUs ran 3x slower)."""
+    return max(1, int(math.floor(num_cpus)))
+
+
+def split_evenly(n: int, parts: int) -> list[range]:
+    """Contiguous, balanced, non-empty index ranges covering range(n)."""
+    parts = max(1, min(parts, n))
+    bounds = np.linspace(0, n, parts + 1).round().astype(int)
+    return [range(a, b) for a, b in zip(bounds[:-1], bounds[1:])]
+
+
+def chunk_sampling(sp: SamplingParams, chunk: int) -> SamplingParams:
+    """Distinct seeds per chunk (a GRPO group split across workers must not repeat itself);
+    chunk 0 keeps the caller's seed, and a retried chunk reuses its own."""
+    return sp if sp.seed is None or chunk == 0 else dataclasses.replace(sp, seed=sp.seed + 1_000_003 * chunk)
+
+
+class WorkerPool:
+    """The worker actors and their handles; the facade's lock guards replacement and broadcasts."""
+
+    def __init__(self, cfg: WorkerConfig, weights: PublishedWeights, *, dtype: str, lock: threading.RLock,
+                 on_event: Callable[[str, dict], None]):
+        self.cfg = cfg
+        self.dtype = dtype
+        self._weights = weights
+        self._lock = lock
+        self._on_event = on_event              # (kind, detail) -> recorded by the monitor
+        self._actor_cls = ray.remote(RolloutWorker)
+        self.workers = [self._spawn(i) for i in range(cfg.num_workers)]
+
+    def _spawn(self, i: int):
+        """A fresh worker holding the latest policy and heads (also after a crash)."""
+        w, pw = self.cfg, self._weights
+        return self._actor_cls.options(num_cpus=w.num_cpus_per_worker, num_gpus=w.num_gpus_per_worker,
+                                       max_restarts=0).remote(
+            i, w, pw.policy_config, pw.full_policy_ref(), pw.policy_version, pw.heads_ref, pw.num_depths,
+            pw.head_version, dtype=self.dtype, num_threads=actor_threads(w.num_cpus_per_worker))
+
+    def broadcast_policy(self, ref: ray.ObjectRef, version: int) -> None:
+        """Fire and forget; each worker applies it after the generate call it may be running."""
+        for w in self.workers:
+            w.update_policy.remote(ref, version)
+
+    def broadcast_heads(self, ref: ray.ObjectRef, version: int) -> None:
+        for w in self.workers:
+            w.update_heads.remote(ref, version)
+
+    def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> list[RolloutBatch]:
+        """One RolloutBatch per chunk, in prompt order; a chunk whose worker died is retried on a
+        live or respawned worker (cfg.max_retries times)."""
+        chunks = split_evenly(len(prompts), len(self.workers))
+        results: dict[int, RolloutBatch] = {}
+        inflight = {}    # ref -> (chunk, worker slot, the worker's handle, attempt)
+        for c, idx in enumerate(chunks):
+            slot = c % len(self.workers)
+            inflight[self._submit(slot, prompts, idx, sampling, c)] = (c, slot, self.workers[slot], 0)
+        while inflight:
+            done, _ = ray.wait(list(inflight), num_returns=1)
+            c, slot, handle, attempt = inflight.pop(done[0])
+            try:
+                results[c] = ray.get(done[0])
+            except RayActorError as e:
+                if attempt >= self.cfg.max_retries:
+                    raise RuntimeError(f"prompt chunk {c} failed on {attempt + 1} workers; last error: {e}") from e
+                if self.workers[slot] is handle:      # not yet replaced for another chunk
+                    self.replace(slot, e)
+                nxt = (slot + 1) % len(self.workers)
+                inflight[self._submit(nxt, prompts, chunks[c], sampling, c)] = (c, nxt, self.workers[nxt],
+                                                                                attempt + 1)
+        return [results[c] for c in range(len(chunks))]
+
+    def _submit(self, slot: int, prompts: list[list[int]], idx: range, sampling: SamplingParams, chunk: int):
+        return self.workers[slot].generate.remote([prompts[i] for i in idx], chunk_sampling(sampling, chunk))
+
+    def replace(self, slot: int, error: Exception) -> None:
+        logger.warning("rollout worker %d died (%s); starting a replacement", slot, type(error).__name__)
+        with self._lock:
+            ray.kill(self.workers[slot])
+            self.workers[slot] = self._spawn(slot)
+            self._on_event("worker_restarted", {"worker": slot, "error": str(error)[:500]})
+
+    def shutdown(self) -> None:
+        for w in self.workers:
+            ray.kill(w)
+        self.workers = []

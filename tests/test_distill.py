@@ -1,0 +1,166 @@
+"""The distillation core: training-time test equals the engine's drafting; one loss for pre-training
+and the co-trainer; each objective minimises its own divergence."""
+import numpy as np
+import pytest
+import torch
+
+from mtp_heads.distill import (OBJECTIVES, DistillBatch, DraftVocabMap, batch_from_replay, batch_from_sequences,
+                               completion_mask, distill_loss)
+from mtp_heads.heads import MTPHeads, init_heads
+from mtp_heads.ttt import unroll
+from rollout.models.decoder import random_model
+from rollout.torch_engine import TorchEngine
+from rollout.types import SamplingParams
+from tests.conftest import tiny_config
+
+
+@pytest.fixture(scope="module")
+def policy():
+    return random_model(tiny_config(), seed=0)
+
+
+def _randomised(heads: MTPHeads, seed: int) -> MTPHeads:
+    """Heads with every weight perturbed, so that no path through them is an identity."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in heads.parameters():
+            p.add_(0.3 * torch.randn(p.shape, generator=g) * (p.std() if p.numel() > 1 else 1.0))
+    return heads
+
+
+def _greedy_sequence(policy, prompt, n):
+    out = TorchEngine(policy).generate([prompt], SamplingParams(max_new_tokens=n, temperature=0.0,
+                                                                ignore_eos=True, seed=0))
+    return list(prompt) + out.completions[0].tokens
+
+
+class _ForcedDrafts(TorchEngine):
+    """An engine whose drafts are the given sequence's tokens; records q and the head state of each draft."""
+
+    def __init__(self, policy, heads, sequence):
+        super().__init__(policy, heads)
+        self.sequence = torch.tensor(sequence)
+        self.seen = []                      # (position of the drafted token, head state [d], q [V])
+        self._state = None
+
+    def _draft(self, state, caches, sp, gen):
+        self._state = state
+        self._step = 0
+        return super()._draft(state, caches, sp, gen)
+
+    def _draft_token(self, head_hidden, sp, gen):
+        token, q = super()._draft_token(head_hidden, sp, gen)
+        pos = int(self._state.committed[0]) + self._step        # the position this draft fills
+        self._step += 1
+        self.seen.append((pos, head_hidden[0].clone(), q[0].clone()))
+        return self.sequence[pos].view(1), q
+
+
+@pytest.mark.parametrize("num_depths,k", [(1, 3), (1, 4), (2, 4), (3, 3)])
+def test_training_time_test_unroll_equals_engine_drafting(policy, num_depths, k):
+    heads = _randomised(init_heads(policy, num_depths, seed=0), seed=num_depths)
+    seq = _greedy_sequence(policy, [5, 9, 2, 7], 24)
+    engine = _ForcedDrafts(policy, heads, seq)
+    out = engine.generate([seq[:4]], SamplingParams(max_new_tokens=20, temperature=0.0, num_draft_tokens=k,
+                                                   ignore_eos=True, seed=0))
+    assert out.completions[0].tokens == seq[4:24]          # forced drafts = the greedy text: all accepted
+    assert len(engine.seen) >= 3 * k
+    tokens = torch.tensor([seq])
+    with torch.no_grad():
+        outs = unroll(heads, policy, policy.hidden_states(tokens), tokens, k)
+    for i, (pos, head_state, q) in enumerate(engine.seen):
+        s = i % k + 1                                       # draft step within its round
+        t = pos - s - 1                                     # chain start: step s at t drafts x_{t+s+1}
+        torch.testing.assert_close(outs[s - 1][0, t], head_state, rtol=1e-5, atol=1e-5)
+        mine = torch.softmax(heads.draft_logits(policy, outs[s - 1][0, t:t + 1]) / 1.0, -1)[0]
+        assert int(mine.argmax()) == int(q.argmax())
+
+
+def test_unroll_within_depths_is_teacher_forcing(policy):
+    heads = _randomised(init_heads(policy, 3, seed=0), seed=7)
+    tokens = torch.randint(2, 64, (2, 12), generator=torch.Generator().manual_seed(0))
+    hidden = policy.hidden_states(tokens)
+    for a, b in zip(unroll(heads, policy, hidden, tokens, 3), heads.teacher_forced(policy, hidden, tokens)):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_completion_mask_and_step_masks():
+    assert completion_mask(6, 2).tolist() == [False, True, True, True, True, False]
+    tok = np.arange(6)
+    batch = batch_from_sequences([(tok, np.zeros((6, 4), np.float32), completion_mask(6, 2))], "cpu")
+    # step 2 at chain t is trained iff tokens[t+3] exists and is a completion token: t + 3 in [2, 5]
+    assert batch.step_mask(2, 4)[0].tolist() == [True, True, True, False]
+    assert batch.labels(2, 4)[0].tolist() == [3, 4, 5, 0]
+
+
+def _cotrainer(policy, heads, **kw):
+    from rollout.weights import pack
+    from trainers.cotrainer import CoTrainerConfig, HeadCoTrainer
+    cfg = CoTrainerConfig(**{"batch_tokens": 100_000, "lr": 3e-3, **kw})
+    return HeadCoTrainer(cfg, policy.config, pack(policy.state_dict()), 0, pack(heads.state_dict()),
+                         heads.num_depths, 0, seed=0)
+
+
+def _rollouts(policy, n, seed):
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(2, 64, (4,), generator=g).tolist() for _ in range(n)]
+    out = TorchEngine(policy).generate(prompts, SamplingParams(max_new_tokens=20, temperature=1.0, seed=seed,
+                                                               ignore_eos=True))
+    return [(c.prompt, c.tokens) for c in out.completions]
+
+
+@pytest.mark.parametrize("objective", sorted(OBJECTIVES))
+def test_pretraining_and_cotrainer_compute_the_same_loss_and_gradient(policy, objective):
+    """One batch through both paths: stored sequences (pre-training) and replayed rollouts with a
+    fresh policy forward (co-trainer), same heads and draft vocabulary -> same loss and gradient."""
+    from mtp_heads.pretrain import Phase, TrainConfig, step_loss
+    heads = _randomised(init_heads(policy, 1, seed=0), seed=3)
+    heads.set_draft_vocab(torch.arange(0, 64, 3))
+    rollouts = _rollouts(policy, 1, seed=5)
+    seq = np.asarray(rollouts[0][0] + rollouts[0][1], dtype=np.int64)
+    with torch.no_grad():
+        hidden = policy.hidden_states(torch.tensor(seq[None]))[0].numpy()
+    batch = batch_from_sequences([(seq, hidden, completion_mask(len(seq), len(rollouts[0][0])))], "cpu")
+    cfg = TrainConfig(num_depths=1, unroll_steps=3, phases=[Phase(objective, 1)], temperature=0.8)
+    mine = _randomised(init_heads(policy, 1, seed=0), seed=3)
+    mine.set_draft_vocab(torch.arange(0, 64, 3))
+    loss_a = step_loss(mine, policy, batch, cfg, 0, DraftVocabMap.for_heads(policy, mine)).loss
+    loss_a.backward()
+
+    ct = _cotrainer(policy, heads, loss=objective, temperature=0.8)
+    ct.add_rollouts(rollouts)
+    loss_b = ct.batch_loss(ct._sample_batch())
+    loss_b.backward()
+    torch.testing.assert_close(loss_a, loss_b, rtol=1e-5, atol=1e-6)
+    for (name, a), b in zip(mine.named_parameters(), ct.heads.parameters()):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_cotrainer_honours_the_draft_vocabulary_and_raises_held_out_acceptance(policy):
+    from mtp_heads.evaluate import EvalSet, teacher_forced_acceptance
+    from mtp_heads.token_data import TokenData
+    heads = init_heads(policy, 1, seed=0)
+    vocab = torch.arange(0, 64, 2)
+    heads.set_draft_vocab(vocab)
+    held = _rollouts(policy, 8, seed=11)
+    seqs = [np.asarray(p + c, dtype=np.int64) for p, c in held]
+    with torch.no_grad():
+        hid = [policy.hidden_states(torch.tensor(s[None]))[0].numpy() for s in seqs]
+    data = TokenData(np.concatenate(seqs), np.concatenate(hid), np.cumsum([0] + [len(s) for s in seqs]),
+                     np.asarray([len(p) for p, _ in held], dtype=np.int32))
+    evalset = EvalSet.build(policy, data, (1.0,))
+    before = teacher_forced_acceptance(policy, heads, evalset, steps=3)[1.0]["rejection"]
+
+    ct = _cotrainer(policy, heads, loss="tv", batch_tokens=200)
+    assert torch.equal(ct.heads.draft_vocab, vocab)
+    ct.add_rollouts(_rollouts(policy, 16, seed=1))
+    losses = ct.train(30)
+    assert np.mean(losses[-5:]) < np.mean(losses[:5])
+    after_heads = ct.heads
+    assert torch.equal(after_heads.draft_vocab, vocab)
+    after = teacher_forced_acceptance(policy, after_heads, evalset, steps=3)[1.0]["rejection"]
+    assert after["per_position"][0] > before["per_position"][0] + 0.02, (before, after)
+    assert after["tau"] > before["tau"]
+    # drafting from the refreshed heads only ever proposes draft-vocabulary tokens
+    logits = after_heads.draft_logits(policy, torch.randn(4, policy.config.hidden_size))
+    assert torch.isinf(logits[:, 1::2]).all() and torch.isfinite(logits[:, ::2]).all()

@@ -1,0 +1,236 @@
+"""TRL's GRPOTrainer with the accelerator as its rollout function, on a tiny llama exported by
+our own exporter (CPU, local Ray): what TRL trains on is what the accelerator generated, with
+the generating policy's log-probs and version, weights synced after each step, the monitor
+recording each step, and speculation changing nothing at temperature 0."""
+import dataclasses
+import os
+
+import pytest
+import ray
+import torch
+from tokenizers import pre_tokenizers
+
+from mtp_heads.heads import init_heads
+from rollout.accelerator import AcceleratorConfig, CoTrainerConfig, RolloutAccelerator, WorkerConfig
+from rollout.models.config import ModelConfig
+from rollout.models.decoder import random_model
+from rollout.models.hf_loader import LoadedModel, expected_tensor_shapes, export_hf_dir, hf_config_dict
+from rollout.models.tokenizer import TOKEN_CONTROL, TOKEN_NORMAL, bpe_tokenizer
+from rollout.monitor import AcceptanceMonitor, MonitorConfig
+
+os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")   # rollout_func is "experimental" in TRL 1.16
+
+import datasets  # noqa: E402  dev dependencies (pyproject's dev extra): these tests must run, never skip
+import transformers  # noqa: E402
+import trl  # noqa: E402
+
+from rollout.integrations.trl import TRLRollout, policy_tensors, sampling_from_args  # noqa: E402
+
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+TOKENS = SPECIALS + sorted(pre_tokenizers.ByteLevel.alphabet())
+TEMPLATE = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] "
+            "+ '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}"
+            "{% endif %}")
+MAX_NEW = 6
+
+
+def tiny_llama() -> ModelConfig:
+    return ModelConfig(vocab_size=len(TOKENS), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                       tie_word_embeddings=True, bos_token_id=1, eos_token_ids=(2,), architecture="llama")
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """(HF directory written by export_hf_dir, our policy, heads) for one tiny random llama."""
+    cfg = tiny_llama()
+    policy = random_model(cfg, seed=0)
+    tok = bpe_tokenizer(TOKENS, [], [TOKEN_CONTROL] * 3 + [TOKEN_NORMAL] * (len(TOKENS) - 3))
+    out = export_hf_dir(LoadedModel(cfg, policy.state_dict(), tok, TEMPLATE, "tiny"),
+                        tmp_path_factory.mktemp("trl") / "hf")
+    return out, policy, init_heads(policy, num_depths=2, seed=0)
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+def accel_cfg(out_dir, cotrainer: bool) -> AcceleratorConfig:
+    return AcceleratorConfig(
+        workers=WorkerConfig(num_workers=1, num_cpus_per_worker=1),
+        cotrainer=CoTrainerConfig(enabled=cotrainer, steps_per_refresh=2, batch_tokens=64, replay_capacity=16),
+        monitor=MonitorConfig(out_dir=str(out_dir), n_boot=10, tensorboard=False, plot_every=0, plots=False),
+        num_depths=2)
+
+
+class RecordingGRPO(trl.GRPOTrainer):
+    """Keeps what each loss call trained on: (global_step, ids, masks, rollout log-probs)."""
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        keys = ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "sampling_per_token_logps")
+        self.trained_on.append((self.state.global_step, {k: inputs[k].detach().clone() for k in keys}))
+        return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+
+
+class Snapshots(transformers.TrainerCallback):
+    """The HF model's weights before training and after every optimizer step."""
+
+    def __init__(self):
+        self.by_version = {}
+
+    def on_train_begin(self, args, state, control, model=None, **kw):
+        self.by_version[state.global_step] = {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+    def on_step_end(self, args, state, control, model=None, **kw):
+        self.by_version[state.global_step] = {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def make_trainer(hf_dir, out_dir, rollout, reward_calls, *, chat: bool, callbacks=(), freeze=(), **args):
+    model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+    for name, p in model.named_parameters():
+        p.requires_grad_(not name.startswith(tuple(freeze)))
+    tok = transformers.AutoTokenizer.from_pretrained(hf_dir)
+    texts = [f"the cat {i}" for i in range(8)]
+    prompts = [[{"role": "user", "content": t}] for t in texts] if chat else texts
+
+    def reward(completions, completion_ids, **kw):
+        reward_calls.append(kw)                          # our fields arrive as keyword arguments
+        return [sum(ids) / (len(ids) * len(TOKENS)) for ids in completion_ids]    # rarely equal: advantages != 0
+
+    cfg = trl.GRPOConfig(output_dir=str(out_dir), per_device_train_batch_size=4, num_generations=4, max_steps=2,
+                         max_completion_length=MAX_NEW, logging_steps=1, report_to="none", save_strategy="no",
+                         use_cpu=True, seed=0, disable_tqdm=True, dataloader_num_workers=0, **args)
+    trainer = RecordingGRPO(model=model, reward_funcs=[reward], args=cfg, processing_class=tok,
+                            train_dataset=datasets.Dataset.from_dict({"prompt": prompts}), rollout_func=rollout,
+                            callbacks=[rollout, *callbacks])
+    trainer.trained_on = []
+    return trainer
+
+
+def spy(accel, name):
+    """Wrap accel.<name> to keep (args, kwargs, result) of every call."""
+    calls, orig = [], getattr(accel, name)
+
+    def wrapped(*a, **k):
+        out = orig(*a, **k)
+        calls.append((a, k, out))
+        return out
+
+    setattr(accel, name, wrapped)
+    return calls
+
+
+def rows(t: dict) -> list[tuple[tuple[int, ...], tuple[int, ...], list[float]]]:
+    """(prompt ids, completion ids, rollout log-probs) per row, padding removed."""
+    out = []
+    for i in range(t["prompt_ids"].shape[0]):
+        p = t["prompt_ids"][i][t["prompt_mask"][i].bool()].tolist()
+        m = t["completion_mask"][i].bool()
+        out.append((tuple(p), tuple(t["completion_ids"][i][m].tolist()), t["sampling_per_token_logps"][i][m].tolist()))
+    return sorted(out)
+
+
+def teacher_forced_logprobs(hf_dir, state_dict, prompt, completion) -> torch.Tensor:
+    model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    model.load_state_dict(state_dict)
+    ids = torch.tensor([list(prompt) + list(completion)])
+    with torch.no_grad():
+        logp = torch.log_softmax(model(ids).logits[0, :-1].float(), -1)           # [L-1, V]
+    return logp[len(prompt) - 1:].gather(-1, torch.tensor(completion)[:, None]).squeeze(-1)
+
+
+# ------------------------------------------------------------------------- no Ray needed
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_hf_parameter_names_are_the_policy_names(arch):
+    """transformers' parameter names are ours for every supported architecture: the sync needs no
+    renaming beyond wrapper prefixes (and a tied lm_head is not a parameter of its own)."""
+    cfg = dataclasses.replace(tiny_llama(), architecture=arch, attention_bias=arch == "qwen2", qk_norm=arch == "qwen3",
+                              tie_word_embeddings=arch != "llama")
+    d = hf_config_dict(cfg, torch.float32)
+    model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**d))
+    assert set(policy_tensors(model, only_trainable=False)) == set(expected_tensor_shapes(cfg))
+    wrapped = torch.nn.Module()
+    wrapped.module = model                                    # DDP / accelerate-style "module." prefix
+    assert set(policy_tensors(wrapped, only_trainable=False)) == set(expected_tensor_shapes(cfg))
+
+
+def test_sampling_from_grpo_config_and_refusals():
+    args = trl.GRPOConfig(output_dir="unused", max_completion_length=7, temperature=0.7, top_k=5, top_p=0.9,
+                          report_to="none", use_cpu=True)
+    sp = sampling_from_args(args, [2, 3], num_draft_tokens=3)
+    assert (sp.max_new_tokens, sp.temperature, sp.top_k, sp.top_p, sp.stop_token_ids, sp.num_draft_tokens) == (
+        7, 0.7, 5, 0.9, (2, 3), 3)
+    with pytest.raises(ValueError, match="repetition_penalty"):
+        sampling_from_args(trl.GRPOConfig(output_dir="unused", repetition_penalty=1.1, report_to="none",
+                                          use_cpu=True), [2])
+
+
+# ------------------------------------------------------------------------- TRL end to end
+
+def test_grpo_trainer_rolls_out_through_the_accelerator(tiny, local_ray, tmp_path):
+    hf_dir, policy, heads = tiny
+    accel = RolloutAccelerator.from_config(accel_cfg(tmp_path / "monitor", cotrainer=True), policy=policy, heads=heads)
+    try:
+        generated, synced = spy(accel, "generate"), spy(accel, "sync_policy")
+        rollout = TRLRollout(accel, num_draft_tokens=2, seed=3)
+        snaps, reward_calls = Snapshots(), []
+        trainer = make_trainer(hf_dir, tmp_path / "trl", rollout, reward_calls, chat=True, callbacks=[snaps],
+                               freeze=("model.embed_tokens.", "model.layers.0."), learning_rate=0.05)
+        trainer.train()
+        assert trainer.state.global_step == 2 and len(generated) == 2 and len(trainer.trained_on) == 2
+
+        for step, ((_, _, batch), (gstep, trained)) in enumerate(zip(generated, trainer.trained_on)):
+            assert gstep == step
+            ours = sorted((tuple(c.prompt), tuple(c.tokens)) for c in batch.completions)
+            assert [(p, c) for p, c, _ in rows(trained)] == ours             # TRL trains on our token ids
+            assert {c.policy_version for c in batch.completions} == {step}
+            for p, c, lp in rows(trained):                                   # ... with the generator's log-probs
+                ref = teacher_forced_logprobs(hf_dir, snaps.by_version[step], p, c)
+                torch.testing.assert_close(torch.tensor(lp), ref, atol=2e-4, rtol=0)
+        # step 2's rollouts came from the weights TRL made in step 1, not the initial ones
+        p, c, lp = rows(trainer.trained_on[1][1])[0]
+        assert (torch.tensor(lp) - teacher_forced_logprobs(hf_dir, snaps.by_version[0], p, c)).abs().max() > 1e-3
+
+        # the versions reward functions see: TRL's global step at generation time
+        assert [set(call["policy_version"]) for call in reward_calls] == [{0}, {1}]
+        assert all(len(call["entropies"]) == 4 and "acceptance_rate" in call for call in reward_calls)
+        # partial sync after each optimizer step, HF names, version = global step
+        assert [k["version"] for _, k, _ in synced] == [1, 2]
+        names = set(synced[0][0][0])
+        assert any(n.startswith("model.layers.1.") for n in names)
+        assert not any(n.startswith(("model.layers.0.", "model.embed_tokens.")) for n in names)
+        assert ray.get(accel.cotrainer.stats.remote(), timeout=120)["policy_version"] == 2
+        # the monitor holds both steps, stamped with their policy versions and TRL's reward
+        steps = [r for r in AcceptanceMonitor.load_records(tmp_path / "monitor") if "event" not in r]
+        assert [(r["step"], r["policy_version_max"]) for r in steps] == [(0, 0), (1, 1)]
+        assert all("reward" in r["extra"] and r["num_draft_tokens"] > 0 for r in steps)
+        assert any(k.startswith("rollout/acceptance_rate") for row in trainer.state.log_history for k in row)
+    finally:
+        accel.shutdown()
+
+
+def test_greedy_completions_inside_trl_do_not_depend_on_speculation(tiny, local_ray, tmp_path):
+    hf_dir, policy, heads = tiny
+    initial = {k: v.clone() for k, v in policy.state_dict().items()}
+    accel = RolloutAccelerator.from_config(accel_cfg(tmp_path / "monitor", cotrainer=False), policy=policy, heads=heads)
+    try:
+        trained, drafts = {}, {}
+        for k in (0, 3):
+            accel.sync_policy(initial, version=0)             # both runs start from the same policy
+            generated = spy(accel, "generate")
+            # the entropy bonus moves the policy even though equal greedy completions have no advantage
+            trainer = make_trainer(hf_dir, tmp_path / f"trl{k}", TRLRollout(accel, temperature=0.0, num_draft_tokens=k),
+                                   [], chat=False, learning_rate=0.05, entropy_coef=0.1)
+            trainer.train()
+            del accel.generate                                # unwrap the spy
+            trained[k] = [[(p, c) for p, c, _ in rows(t)] for _, t in trainer.trained_on]
+            drafts[k] = sum(b.spec_stats().num_drafts for _, _, b in generated)
+            assert {c.policy_version for c in generated[1][2].completions} == {1}
+        assert len(trained[0]) == 2 and trained[0] == trained[3]
+        assert drafts[0] == 0 and drafts[3] > 0                # speculation did run in the second
+    finally:
+        accel.shutdown()
