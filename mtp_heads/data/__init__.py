@@ -6,4 +6,5 @@ teacher-forced through the policy into a sharded, memory-mapped token store.
 - teacher_force.py  the policy's final-norm hidden states for token sequences, batched by length
 - builder.py        resumable, shard-by-shard building of one (source, split) and the rollout hook
 - onpolicy.py       prompts for on-policy samples and turning completions into examples
+- splits.py         the held-out rule (hash of a conversation / prompt key), shared by every source
 """
