@@ -15,7 +15,7 @@ from mtp_heads.heads import init_heads
 from rollout.accelerator import AcceleratorConfig, CoTrainerConfig, RolloutAccelerator, WorkerConfig
 from rollout.models.decoder import random_model
 from rollout.monitor import MonitorConfig
-from rollout.ray_guard import stop_ray_descendants
+from rollout.ray_guard import REGISTER_WAIT_S, patient_node_registration, stop_ray_descendants
 from rollout.types import SamplingParams
 from tests.conftest import tiny_config
 
@@ -25,8 +25,9 @@ NEW_TOKENS = 600     # long enough that both chunks are still decoding when the 
 
 
 def _start_cluster() -> tuple[Cluster, object]:
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
-    return cluster, cluster.add_node(num_cpus=1)
+    with patient_node_registration(REGISTER_WAIT_S):
+        cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
+        return cluster, cluster.add_node(num_cpus=1)
 
 
 @pytest.fixture
