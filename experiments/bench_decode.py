@@ -200,9 +200,13 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if any(a in ("-h", "--help", "help=true") for a in argv):
         print(__doc__)
-        for f in dataclasses.fields(BenchDecodeConfig):
-            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-            print(f"  {f.name} = {default}")
+        try:
+            from rollout.config_loader import config_help
+            print(config_help(BenchDecodeConfig))
+        except ImportError:
+            for f in dataclasses.fields(BenchDecodeConfig):
+                default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+                print(f"  {f.name} = {default}")
         return 0
     cfg, resolved = load_bench_config(argv)
     torch.set_num_threads(cfg.threads)

@@ -50,7 +50,7 @@ def test_compiled_speculative_equals_compiled_plain_at_temperature_zero(compiled
     spec = compiled.generate(PROMPTS, SamplingParams(max_new_tokens=20, temperature=0, ignore_eos=True,
                                                      num_draft_tokens=1))
     assert [c.tokens for c in plain.completions] == [c.tokens for c in spec.completions]
-    assert sum(sum(c.round_accepted) for c in spec.completions) > 0
+    assert spec.spec_stats().num_draft_tokens > 0          # drafts were proposed and verified
 
 
 def test_compiled_sequence_distribution_unchanged_and_lossy_control_fails(compiled, monkeypatch):

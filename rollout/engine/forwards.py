@@ -35,8 +35,9 @@ class Forwards:
     def __init__(self, policy: CausalLM, heads: MTPHeads | None, compile: bool | None):
         self.policy, self.heads = policy, heads
         self.device = policy.model.embed_tokens.weight.device
-        if compile is None:
-            compile = sum(p.numel() for p in policy.parameters()) >= AUTO_COMPILE_MIN_PARAMS
+        if compile is None:   # auto: GPUs only until compiling is shown to pay on CPU (experiments/LOG.md)
+            compile = (self.device.type == "cuda"
+                       and sum(p.numel() for p in policy.parameters()) >= AUTO_COMPILE_MIN_PARAMS)
         self.compiled = bool(compile)
         self.compile_times: dict[tuple, float] = {}  # (graph, shapes) -> seconds of its first call
         self._layer, self._depth = _layer_body, _depth_body
