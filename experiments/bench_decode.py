@@ -198,6 +198,9 @@ def append_log(path: str, argv: list[str], heads_desc: str, rows: list[dict]) ->
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if argv[:2] == ["--against", "vllm"]:         # ours vs vLLM side by side: experiments/bench_vllm.py
+        from experiments.bench_vllm import main as against_vllm
+        return against_vllm(argv[2:])
     if any(a in ("-h", "--help", "help=true") for a in argv):
         print(__doc__)
         try:

@@ -60,6 +60,7 @@ class AgainstVLLMConfig:
     repeats: int = 3                    # timed calls per (setting, batch, engine), after one warm-up call
     engines: list[str] = field(default_factory=lambda: list(VARIANTS))       # subset of VARIANTS
     vllm_compile: bool = False          # vLLM without enforce_eager (torch.compile; CUDA graphs on GPU)
+    torch_compile: bool | None = None   # our engine's EngineConfig.compile (None = auto: compiled for SmolLM2)
     device: str = "cpu"                 # of our engine (vLLM picks its platform itself)
     gpu_memory_utilization: float = 0.3  # per vLLM instance (two run at once on a GPU)
     seed: int = 1000                    # repeat r uses seed + r for every engine
@@ -91,8 +92,9 @@ def _child(conn, cfg: AgainstVLLMConfig, kind: str, dtype: str, threads: int, pr
         policy, heads = policy.to(cfg.device), heads.to(cfg.device)
         t0 = time.perf_counter()
         if kind == "torch":
+            from rollout.engine.config import EngineConfig
             from rollout.torch_engine import TorchEngine
-            engine = TorchEngine(policy, heads)
+            engine = TorchEngine(policy, heads, config=EngineConfig(compile=cfg.torch_compile))
         else:
             from rollout.vllm import VLLMEngine, VLLMEngineConfig
             engine = VLLMEngine(policy, heads, config=VLLMEngineConfig(
@@ -181,9 +183,11 @@ def _setting(ctx, cfg: AgainstVLLMConfig, dtype: str, threads: int, prompts) -> 
                 order = list(cfg.engines)[r % len(cfg.engines):] + list(cfg.engines)[:r % len(cfg.engines)]
                 for v in order:
                     kind, k = route[v]
-                    runs.setdefault((b, v), []).append(engines[kind].generate(b, k, cfg.seed + r, cfg.max_new_tokens))
-                    print(f"  {dtype} {threads}t B={b} rep {r} {v:11s} {runs[(b, v)][-1]['tok_s']:8.1f} tok/s",
-                          flush=True)
+                    res = engines[kind].generate(b, k, cfg.seed + r, cfg.max_new_tokens)
+                    runs.setdefault((b, v), []).append(res)
+                    st = SpecDecodingStats(**res["stats"])
+                    acc = f"  acceptance {st.acceptance_rate:.3f} tau {st.acceptance_length:.2f}" if k else ""
+                    print(f"  {dtype} {threads}t B={b} rep {r} {v:11s} {res['tok_s']:8.1f} tok/s{acc}", flush=True)
         heads_desc = next(iter(engines.values())).heads_desc
     finally:
         for e in engines.values():

@@ -70,9 +70,8 @@ class VLLMEngine:
     def __init__(self, policy: CausalLM, heads: MTPHeads | None = None, *, policy_version: int = 0,
                  head_version: int = 0, config: VLLMEngineConfig = VLLMEngineConfig()):
         self.config = config
-        self._owns_work = config.work_dir is None          # a temp dir: removed again by close()
-        self._work = Path(config.work_dir) if config.work_dir else Path(tempfile.mkdtemp(prefix="mtp-rollout-vllm-"))
-        self._work.mkdir(parents=True, exist_ok=True)
+        self._owns_work = config.work_dir is None          # a temp dir, made at start, removed by close()
+        self._work = None if self._owns_work else Path(config.work_dir)
         configure_env(config.cpu_kv_cache_gib, None if self._owns_work else self._work / "vllm_cache")
         self._vllm = require_vllm()
         from rollout.vllm.drafter import register
@@ -117,6 +116,8 @@ class VLLMEngine:
             self.close()
         from rollout.vllm.export import export_drafter_dir, export_policy_dir
 
+        if self._owns_work:
+            self._work = Path(tempfile.mkdtemp(prefix="mtp-rollout-vllm-"))
         self._work.mkdir(parents=True, exist_ok=True)
         dtype = getattr(torch, self.config.dtype)
         policy_dir = export_policy_dir(self.policy, self._work / "policy", dtype)
@@ -152,8 +153,9 @@ class VLLMEngine:
                 logger.debug("engine core shutdown: %s", e)
             del llm
             gc.collect()
-        if self._owns_work:
+        if self._owns_work and self._work is not None:
             shutil.rmtree(self._work, ignore_errors=True)
+            self._work = None
 
     # ----------------------------------------------------------------- decoding
     def _vllm_params(self, sp: SamplingParams, i: int):
