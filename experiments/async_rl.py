@@ -207,23 +207,23 @@ def run(cfg: RunConfig, resolved) -> Path:
         if ckpt is not None and ckpt.step + 1 >= cfg.steps:
             print(f"{run_dir}: all {cfg.steps} steps are done; nothing to resume")
         else:
+            heads = HEAD_SOURCES[cfg.heads](policy, cfg) if ckpt is None else None   # may pre-train: before Ray
             with local_ray(cfg.accelerator.ray_address):
-                _train(cfg, policy, run_dir, ckpt, None if cfg.resume else resolved)
+                _train(cfg, policy, heads, run_dir, ckpt, None if cfg.resume else resolved)
         plot_rl(run_dir)
     print(f"run directory {run_dir}\nfigures: {run_dir / 'acceptance_vs_entropy.png'}, "
           f"{run_dir / 'over_steps.png'}, {run_dir / 'rl_over_steps.png'}")
     return run_dir
 
 
-def _train(cfg: RunConfig, policy: Policy, run_dir: Path, ckpt: Checkpoint | None, resolved) -> None:
+def _train(cfg: RunConfig, policy: Policy, heads: MTPHeads | None, run_dir: Path, ckpt: Checkpoint | None,
+           resolved) -> None:
     """The driver loop, from step 0 or from the step after `ckpt`. A fresh run's config.yaml is
     written once the actors are up: a run that failed to start leaves no run behind."""
     trainer = GRPOTrainer(policy.model, cfg.grpo, cfg.steps)
     sampler = TaskSampler(cfg.tasks)
     start, versions, pending_sync, cotrainer_state = 0, {}, None, None
-    if ckpt is None:
-        heads = HEAD_SOURCES[cfg.heads](policy, cfg)
-    else:   # the workers get the weights that made step ckpt.step+1's rollouts, the trainer its own state
+    if ckpt is not None:   # the workers get the weights that made step ckpt.step+1's rollouts, the trainer its own state
         t, h = ckpt.load("trainer.pt"), ckpt.load("heads.pt")
         trainer.model.load_state_dict(t["trained"], strict=False)
         trainer.optimizer.load_state_dict(t["optimizer"])
