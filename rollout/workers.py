@@ -41,7 +41,7 @@ def _torch_engine(policy: "CausalLM", heads: "MTPHeads | None", policy_version: 
 
 def _vllm_engine(policy: "CausalLM", heads: "MTPHeads | None", policy_version: int, head_version: int) -> Engine:
     # lazy: vllm is an optional extra and slow to import
-    module = importlib.import_module("rollout.vllm_engine")
+    module = importlib.import_module("rollout.vllm")
     return module.VLLMEngine(policy, heads, policy_version=policy_version, head_version=head_version)
 
 

@@ -31,7 +31,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("models, loaders and file/config helpers", ("rollout.models", "rollout.types", "rollout.fileio",
                                                  "rollout.config_loader", "rollout.run_dir")),
     ("heads, losses and the distillation core", ("mtp_heads",)),
-    ("engines", ("rollout.verify", "rollout.torch_engine", "rollout.engine", "rollout.vllm", "rollout.vllm_engine",
+    ("engines", ("rollout.verify", "rollout.torch_engine", "rollout.engine", "rollout.vllm",
                  "rollout.vllm_drafter", "rollout.vllm_export")),
     ("co-trainer, workers, weight shipping, monitor", ("trainers.cotrainer", "trainers.refresh", "rollout.workers",
                                                       "rollout.weights", "rollout.monitor")),
