@@ -1,31 +1,42 @@
-"""Speculative vs plain decoding of the same torch engine, side by side in one run.
+"""Where decoding time goes, and plain vs speculative throughput, side by side in one run.
 
-    mtp-rollout bench-decode --heads auto --k 3 --repeats 3 [--log experiments/LOG.md]
+    python -m experiments.bench_decode [configs/bench_decode.yaml] [key=value ...]
+    (= mtp-rollout bench-decode ...; `help=true` lists every key)
 
-For each (batch size, temperature): `repeats` interleaved pairs of plain (k = 0) and
-speculative (k) generation of the same prompts; prints median tokens/s of each, the median
-of the per-pair ratios, acceptance rate and acceptance length (tau, bonus included).
+For every engine setting (dtype x eager/compiled) and batch size: compile first (timed apart),
+measure the verification-cost curve V(n) = cost(n-token forward) / cost(1-token forward), then
+`repeats` interleaved generations of the same prompts: plain (k = 0), speculative with fixed k,
+adaptive k, and any extra fixed k. Prints medians of tok/s, the median of per-repeat ratios to
+plain, acceptance, tau and the per-round time of draft / verify / accept / commit; writes JSON.
+
+Function API (used by the vLLM side-by-side bench): `make_engine(...)` and
+`run_ours(engine, prompts, sampling) -> dict` (one timed generate with its breakdown).
 """
 from __future__ import annotations
 
-import argparse
+import dataclasses
 import datetime as dt
 import json
 import platform
 import statistics
 import subprocess
 import sys
+import time
+from dataclasses import dataclass, field, replace
 
 import torch
 
-from experiments.generate import DEFAULT_PROMPTS, resolve_heads
-from mtp_heads.pretrain import TrainConfig
-from rollout.models.loaders import DEFAULT_MODEL, apply_chat_template
-from rollout.models.policy import load_policy
+from rollout.engine.config import EngineConfig
+from rollout.engine.round import PHASES
+from rollout.models.decoder import CausalLM, preferred_dtype
 from rollout.torch_engine import TorchEngine
-from rollout.types import DRAFT_MODES, SamplingParams
+from rollout.types import SamplingParams
 
-BENCH_PROMPTS = DEFAULT_PROMPTS + [
+BENCH_PROMPTS = [
+    "Write a haiku about the sea.",
+    "Give me three tips for learning to cook.",
+    "What is the capital of France? Answer in one sentence.",
+    "Explain in two sentences why the sky is blue.",
     "List four animals that live in the ocean.",
     "What is 12 times 7? Explain briefly.",
     "Describe a sunrise in one sentence.",
@@ -33,43 +44,139 @@ BENCH_PROMPTS = DEFAULT_PROMPTS + [
 ]
 
 
+@dataclass(frozen=True)
+class BenchDecodeConfig:
+    model: str = "smollm2-135m"            # named model, .gguf file or HF directory
+    heads: str = "auto"                    # heads checkpoint, 'init' or 'auto' (cached pre-trained, else init)
+    num_depths: int = 3                    # depths of the 'auto' heads
+    k: int = 3                             # fixed k of the speculative setting (also adaptive k's maximum)
+    extra_ks: list[int] = field(default_factory=list)   # more fixed-k settings, e.g. [1, 2]
+    adaptive: bool = True                  # also run adaptive k (EngineConfig.adaptive_k) with maximum k
+    draft_mode: str = "rejection"          # greedy | rejection
+    batch_sizes: list[int] = field(default_factory=lambda: [1, 8])
+    temperature: float = 1.0
+    max_new_tokens: int = 64
+    repeats: int = 3                       # interleaved repeats; medians are reported
+    dtypes: list[str] = field(default_factory=lambda: ["auto"])   # float32 | bfloat16 | auto (hardware's best)
+    compile: list[bool] = field(default_factory=lambda: [True])   # engine settings to run: eager and/or compiled
+    threads: int = 1                       # torch threads
+    verify_ns: list[int] = field(default_factory=lambda: [1, 2, 4, 8])   # n of the V(n) curve
+    cost_repeats: int = 5                  # timed forwards per V(n) point (median)
+    json: str = ""                         # write all rows here
+    log: str = ""                          # append a markdown table to this file (experiments/LOG.md)
+
+
+def load_bench_config(argv: list[str]) -> tuple[BenchDecodeConfig, str]:
+    try:
+        from rollout.config_loader import load_config  # the shared loader (helper `layers`)
+        return load_config(BenchDecodeConfig, argv)
+    except ImportError:
+        from omegaconf import OmegaConf
+        base = OmegaConf.structured(BenchDecodeConfig)
+        files = [OmegaConf.load(a) for a in argv if "=" not in a]
+        cfg = OmegaConf.merge(base, *files, OmegaConf.from_dotlist([a for a in argv if "=" in a]))
+        return BenchDecodeConfig(**OmegaConf.to_container(cfg)), OmegaConf.to_yaml(cfg)
+
+
 def machine() -> str:
     try:
         cpu = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
     except (OSError, StopIteration):
         cpu = platform.processor()
-    return f"{cpu}, {torch.get_num_threads()} torch threads, torch {torch.__version__}"
+    try:
+        load = open("/proc/loadavg").read().split()[:3]
+    except OSError:
+        load = ["?"]
+    return f"{cpu}, {torch.get_num_threads()} torch threads, torch {torch.__version__}, load average {' '.join(load)}"
 
 
-def measure(engine: TorchEngine, prompts, sampling: SamplingParams) -> tuple[float, object]:
+# ------------------------------------------------------------------------------ function API
+def make_engine(policy: CausalLM, heads, *, compile: bool) -> TorchEngine:
+    return TorchEngine(policy, heads, config=EngineConfig(compile=compile, profile=True))
+
+
+def run_ours(engine: TorchEngine, prompts: list[list[int]], sampling: SamplingParams,
+             adaptive: bool = False) -> dict:
+    """One timed generate: tok/s (compile time excluded), acceptance, per-round phase times (ms)."""
+    engine.config = replace(engine.config, adaptive_k=adaptive, profile=True)  # no effect on compiled graphs
     batch = engine.generate(prompts, sampling)
-    return batch.tokens_per_s, batch.spec_stats()
+    stats = batch.spec_stats()
+    decode_s = batch.wall_time_s - batch.compile_time_s
+    rounds = max(engine.times.rounds, 1)
+    ks = [c.k for c in batch.k_choices]
+    return dict(tok_s=batch.num_tokens / decode_s, tokens=batch.num_tokens, decode_s=decode_s,
+                compile_s=batch.compile_time_s, rounds=engine.times.rounds,
+                acceptance=stats.acceptance_rate, tau=stats.acceptance_length,
+                phase_ms={p: 1e3 * engine.times.seconds.get(p, 0.0) / rounds for p in PHASES},
+                mean_k=statistics.mean(ks) if ks else float(sampling.num_draft_tokens),
+                k_hist={k: ks.count(k) for k in sorted(set(ks))})
 
 
-def bench(engine, prompts_ids, args) -> list[dict]:
+@torch.inference_mode()
+def verify_cost_curve(engine: TorchEngine, prompts: list[list[int]], ns: list[int], repeats: int) -> dict:
+    """V(n): median time of an n-token target forward over the median 1-token time, same batch.
+    Forwards start at each row's pending position, as in decoding (cache context = the prompt)."""
+    sp = SamplingParams(max_new_tokens=max(ns) + 2, temperature=1.0, ignore_eos=True, seed=0)
+    ctx, st, _ = engine._prefill(prompts, sp)
+    c = st.committed
+    rows = torch.arange(st.batch)[:, None]
+    times = {}
+    for n in ns:
+        tokens = st.seq[rows, (c - 1)[:, None] + torch.arange(n)]
+        engine.forwards.target(tokens, c - 1, st.target)          # compile / warm up
+        ts = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            engine.policy.compute_logits(engine.forwards.target(tokens, c - 1, st.target))
+            ts.append(time.perf_counter() - t0)
+        times[n] = statistics.median(ts)
+    return {"ms": {n: 1e3 * t for n, t in times.items()}, "V": {n: times[n] / times[ns[0]] for n in ns}}
+
+
+# ------------------------------------------------------------------------------ the study
+def settings(cfg: BenchDecodeConfig) -> list[tuple[str, int, bool]]:
+    """(name, k, adaptive) of every generation setting, plain first."""
+    out = [("plain", 0, False), (f"k={cfg.k}", cfg.k, False)]
+    if cfg.adaptive:
+        out.append((f"adaptive<={cfg.k}", cfg.k, True))
+    out += [(f"k={k}", k, False) for k in cfg.extra_ks if k != cfg.k]
+    return out
+
+
+def bench_engine(engine: TorchEngine, prompts_ids, cfg: BenchDecodeConfig, label: str) -> list[dict]:
     rows = []
-    for batch_size in args.batch_sizes:
+    for batch_size in cfg.batch_sizes:
         prompts = [prompts_ids[i % len(prompts_ids)] for i in range(batch_size)]
-        for temperature in args.temperatures:
-            common = dict(max_new_tokens=args.max_new_tokens, temperature=temperature, ignore_eos=True, seed=0)
-            plain_sp = SamplingParams(**common)
-            spec_sp = SamplingParams(**common, num_draft_tokens=args.k, draft_mode=args.draft_mode)
-            measure(engine, prompts[:1], SamplingParams(max_new_tokens=4))            # warm-up
-            plain, spec, ratios, stats = [], [], [], None
-            for _ in range(args.repeats):
-                p, _ = measure(engine, prompts, plain_sp)
-                s, st = measure(engine, prompts, spec_sp)
-                plain.append(p), spec.append(s), ratios.append(s / p)
-                stats = st if stats is None else stats.merge(st)
-            row = dict(batch=batch_size, temperature=temperature, k=args.k, mode=args.draft_mode,
-                       plain_tok_s=statistics.median(plain), spec_tok_s=statistics.median(spec),
-                       ratio=statistics.median(ratios), acceptance_rate=stats.acceptance_rate,
-                       acceptance_length=stats.acceptance_length,
-                       cond_acceptance=[round(a, 3) for a in stats.conditional_acceptance])
+        common = dict(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, ignore_eos=True)
+        sps = {name: (SamplingParams(**common, num_draft_tokens=k, draft_mode=cfg.draft_mode), ad)
+               for name, k, ad in settings(cfg)}
+        t0 = time.perf_counter()
+        compile_s = 0.0
+        for name, (sp, ad) in sps.items():   # warm-up: compiles every shape these settings use
+            compile_s += run_ours(engine, prompts, replace(sp, seed=0), ad)["compile_s"]
+        vcurve = verify_cost_curve(engine, prompts, cfg.verify_ns, cfg.cost_repeats)
+        warm_s = time.perf_counter() - t0
+        runs = {name: [] for name in sps}
+        for rep in range(cfg.repeats):
+            for name, (sp, ad) in sps.items():
+                runs[name].append(run_ours(engine, prompts, replace(sp, seed=rep + 1), ad))
+        for name, rs in runs.items():
+            row = dict(engine=label, batch=batch_size, setting=name, temperature=cfg.temperature,
+                       tok_s=statistics.median(r["tok_s"] for r in rs),
+                       ratio_to_plain=statistics.median(r["tok_s"] / p["tok_s"] for r, p in zip(rs, runs["plain"])),
+                       acceptance=statistics.median(r["acceptance"] for r in rs) if name != "plain" else None,
+                       tau=statistics.median(r["tau"] for r in rs) if name != "plain" else None,
+                       mean_k=statistics.median(r["mean_k"] for r in rs),
+                       phase_ms={p: statistics.median(r["phase_ms"][p] for r in rs) for p in PHASES},
+                       compile_s=compile_s, warmup_s=warm_s, V=vcurve["V"], forward_ms=vcurve["ms"],
+                       all_tok_s=[r["tok_s"] for r in rs])
             rows.append(row)
-            print(f"batch {batch_size:>2}  T={temperature:<4} plain {row['plain_tok_s']:7.2f} tok/s  "
-                  f"spec {row['spec_tok_s']:7.2f} tok/s  ratio {row['ratio']:.2f}x  "
-                  f"acceptance {row['acceptance_rate']:.3f}  tau {row['acceptance_length']:.2f}", flush=True)
+            ph = " ".join(f"{p} {v:.1f}" for p, v in row["phase_ms"].items())
+            print(f"{label:<18} B={batch_size:<2} {name:<13} {row['tok_s']:7.2f} tok/s  x{row['ratio_to_plain']:.2f}"
+                  f"  acc {row['acceptance'] if row['acceptance'] is not None else float('nan'):.3f}"
+                  f"  mean k {row['mean_k']:.2f}  ms/round: {ph}", flush=True)
+        print(f"{label:<18} B={batch_size:<2} V(n): " + "  ".join(f"V({n})={v:.2f}" for n, v in vcurve["V"].items())
+              + f"   1-token forward {vcurve['ms'][cfg.verify_ns[0]]:.1f} ms   compile {compile_s:.1f} s", flush=True)
     return rows
 
 
@@ -78,43 +185,53 @@ def append_log(path: str, argv: list[str], heads_desc: str, rows: list[dict]) ->
     lines = [f"\n## {dt.date.today().isoformat()} bench_decode (commit {commit})\n",
              f"Command: `python -m experiments.bench_decode {' '.join(argv)}`  ",
              f"Machine: {machine()}  ", f"Heads: {heads_desc}\n",
-             "| batch | T | k | mode | plain tok/s | spec tok/s | ratio (median of pairs) | acceptance | tau |",
-             "|---|---|---|---|---|---|---|---|---|"]
-    lines += [f"| {r['batch']} | {r['temperature']} | {r['k']} | {r['mode']} | {r['plain_tok_s']:.2f} | "
-              f"{r['spec_tok_s']:.2f} | {r['ratio']:.2f}x | {r['acceptance_rate']:.3f} | {r['acceptance_length']:.2f} |"
-              for r in rows]
+             "| engine | batch | setting | tok/s | x plain | acceptance | mean k | draft / verify / accept / commit ms per round |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        acc = f"{r['acceptance']:.3f}" if r["acceptance"] is not None else "-"
+        ph = " / ".join(f"{v:.1f}" for v in r["phase_ms"].values())
+        lines.append(f"| {r['engine']} | {r['batch']} | {r['setting']} | {r['tok_s']:.2f} | {r['ratio_to_plain']:.2f} | "
+                     f"{acc} | {r['mean_k']:.2f} | {ph} |")
     with open(path, "a") as f:
         f.write("\n".join(lines) + "\n")
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    ap = argparse.ArgumentParser(prog="mtp-rollout bench-decode", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default=DEFAULT_MODEL)
-    ap.add_argument("--heads", default="auto", help="heads checkpoint, 'init' or 'auto'")
-    ap.add_argument("--num-depths", type=int, default=TrainConfig.num_depths, help="depths of the 'auto' heads")
-    ap.add_argument("--k", type=int, default=3)
-    ap.add_argument("--draft-mode", choices=DRAFT_MODES, default="rejection")
-    ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
-    ap.add_argument("--temperatures", type=float, nargs="+", default=[1.0, 0.0])
-    ap.add_argument("--max-new-tokens", type=int, default=48)
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--dtype", default="float32")
-    ap.add_argument("--log", help="append the results to this markdown file (experiments/LOG.md)")
-    ap.add_argument("--json", help="also write the rows as JSON here")
-    args = ap.parse_args(argv)
-    policy, loaded = load_policy(args.model, args.dtype)
-    heads, heads_desc = resolve_heads(policy, args.model, args.heads, args.num_depths)
-    engine = TorchEngine(policy, heads)
-    prompts = [apply_chat_template(loaded, [{"role": "user", "content": p}]) for p in BENCH_PROMPTS]
-    print(f"{args.model}  heads: {heads_desc}  machine: {machine()}")
-    rows = bench(engine, prompts, args)
-    if args.log:
-        append_log(args.log, argv, heads_desc, rows)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+    if argv[:2] == ["--against", "vllm"]:         # ours vs vLLM side by side: experiments/bench_vllm.py
+        from experiments.bench_vllm import main as against_vllm
+        return against_vllm(argv[2:])
+    if any(a in ("-h", "--help", "help=true") for a in argv):
+        print(__doc__)
+        try:
+            from rollout.config_loader import config_help
+            print(config_help(BenchDecodeConfig))
+        except ImportError:
+            for f in dataclasses.fields(BenchDecodeConfig):
+                default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+                print(f"  {f.name} = {default}")
+        return 0
+    cfg, resolved = load_bench_config(argv)
+    torch.set_num_threads(cfg.threads)
+    from experiments.generate import resolve_heads
+    from rollout.models.loaders import apply_chat_template
+    from rollout.models.policy import load_policy
+    rows = []
+    for dtype in cfg.dtypes:
+        name = str(preferred_dtype()).removeprefix("torch.") if dtype == "auto" else dtype
+        policy, loaded = load_policy(cfg.model, name)
+        heads, heads_desc = resolve_heads(policy, cfg.model, cfg.heads, cfg.num_depths)
+        prompts = [apply_chat_template(loaded, [{"role": "user", "content": p}]) for p in BENCH_PROMPTS]
+        print(f"{cfg.model} {name}  heads: {heads_desc}  machine: {machine()}", flush=True)
+        for compiled in cfg.compile:
+            engine = make_engine(policy, heads, compile=compiled)
+            rows += bench_engine(engine, prompts, cfg, f"{name} {'compiled' if compiled else 'eager'}")
+    print(f"machine at the end: {machine()}")
+    if cfg.log:
+        append_log(cfg.log, argv, heads_desc, rows)
+    if cfg.json:
+        with open(cfg.json, "w") as f:
+            json.dump(dict(config=resolved, machine=machine(), rows=rows), f, indent=1, default=str)
     return 0
 
 

@@ -1,139 +1,282 @@
-"""vLLM with our MTP heads vs vLLM plain vs the torch engine, on the default model.
+"""Ours vs vLLM side by side: `mtp-rollout bench-decode --against vllm`.
 
-    python -m experiments.bench_vllm [--heads auto|init|PATH] [--k 3] [--draft-mode rejection]
-                                     [--temperature 1.0] [--max-new-tokens 64] [--repeats 3] [--batch 1 8]
+    mtp-rollout bench-decode --against vllm [configs/bench_vllm.yaml] [key=value ...]
+    python -m experiments.bench_vllm [configs/bench_vllm.yaml] [key=value ...]     (--help: every key)
 
-Runs, per batch size, `repeats` generations of the same chat prompts with: the torch engine
-(speculative, its own heads: all D depths), vLLM plain (k = 0) and vLLM speculative (depth 1 of
-the heads reused for k drafts). Prints median tokens/s, ratios against vLLM plain, acceptance
-rate / length / per position. The torch engine
-runs first: starting vLLM lowers torch's thread count in this process. One vLLM instance at a time.
+One process tree: for every setting (dtype x torch threads) the parent starts one child process per
+engine (our torch engine, which serves plain and speculative calls; vLLM plain; vLLM speculative
+with our heads as its drafter). Children wait on a pipe, so only one engine computes at a time.
+Each repeat runs every (batch size, engine variant) once with the same prompts and seed, in an
+order rotated per repeat; reported: median tokens/s, the median of the per-repeat ratios, and
+acceptance (rate, tau, conditional per draft position). JSON with `json=PATH`, a dated
+experiments/LOG.md entry with `log=PATH`. Function API: `run(AgainstVLLMConfig) -> dict`.
+Threads: our engine calls torch.set_num_threads; vLLM's CPU worker pins that many OpenMP threads
+(VLLM_CPU_OMP_THREADS_BIND); the machine's load average is recorded before and after.
 """
 from __future__ import annotations
 
-import argparse
+import datetime as dt
 import json
+import multiprocessing as mp
+import os
 import platform
 import statistics
+import subprocess
+import sys
+import time
+import traceback
+from dataclasses import asdict, dataclass, field
 
-import torch
+from rollout.models.loaders import DEFAULT_MODEL
+from rollout.types import SamplingParams, SpecDecodingStats
 
-from experiments.generate import DEFAULT_PROMPTS, resolve_heads
-from rollout.models.loaders import DEFAULT_MODEL, apply_chat_template
-from rollout.models.policy import load_policy
-from rollout.torch_engine import TorchEngine
-from rollout.types import DRAFT_MODES, SamplingParams, SpecDecodingStats
-from rollout.vllm import VLLMEngine, VLLMEngineConfig
-
-PROMPTS = DEFAULT_PROMPTS + [
+PROMPTS = [
+    "What is the capital of France?",
+    "Give me three tips for staying focused while studying.",
+    "Write a haiku about the sea.",
+    "Explain in two sentences why the sky is blue.",
     "List four animals that live in the ocean.",
     "What is 12 times 7? Explain briefly.",
-    "Write a haiku about autumn leaves.",
     "Give two tips for learning a new language.",
     "Explain what a prime number is to a child.",
-    "Name three uses of a paperclip.",
 ]
+VARIANTS = ("torch-plain", "torch-spec", "vllm-plain", "vllm-spec")   # what `engines` may list
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default=DEFAULT_MODEL)
-    ap.add_argument("--heads", default="auto", help="checkpoint path, 'init' or 'auto' (trained if cached)")
-    ap.add_argument("--num-depths", type=int, default=3, help="depths of the 'auto' heads checkpoint")
-    ap.add_argument("--k", type=int, default=3)
-    ap.add_argument("--draft-mode", choices=DRAFT_MODES, default="rejection")
-    ap.add_argument("--temperature", type=float, default=1.0)
-    ap.add_argument("--max-new-tokens", type=int, default=64)
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--batch", type=int, nargs="+", default=[1, 8])
-    ap.add_argument("--skip-torch", action="store_true")
-    ap.add_argument("--compile", action="store_true", help="vLLM without enforce_eager (torch.compile)")
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
-                    help="of the torch engine and the teacher-forced pass")
-    ap.add_argument("--gpu-mem-util", type=float, default=0.3, help="vLLM gpu_memory_utilization (GPU only)")
-    ap.add_argument("--threads", type=int, default=1,
-                    help="torch threads (DESIGN.md: more threads than free cores make OMP spin; 2 on 2 shared "
-                         "cores measured 0.16 tok/s)")
-    ap.add_argument("--json", default=None, help="also write the results here")
-    return ap.parse_args(argv)
+@dataclass(frozen=True)
+class AgainstVLLMConfig:
+    """One side-by-side benchmark of our engine and vLLM (configs/bench_vllm.yaml)."""
+
+    model: str = DEFAULT_MODEL          # named model, .gguf file or HF directory
+    heads: str = "auto"                 # heads checkpoint path, 'init' (untrained) or 'auto' (default heads)
+    num_depths: int = 1                 # depths of 'auto' / 'init' heads (vLLM drafts with depth 1 only)
+    k: int = 3                          # draft tokens per round of the speculative variants
+    draft_mode: str = "rejection"       # greedy | rejection
+    temperature: float = 1.0            # sampling temperature of every engine (0 = greedy)
+    max_new_tokens: int = 64            # per completion; EOS ignored so every call emits the same count
+    batch_sizes: list[int] = field(default_factory=lambda: [1, 8])            # prompts per generate call
+    dtypes: list[str] = field(default_factory=lambda: ["bfloat16", "float32"])
+    threads: list[int] = field(default_factory=lambda: [1])        # torch / vLLM OpenMP threads per engine
+    repeats: int = 3                    # timed calls per (setting, batch, engine), after one warm-up call
+    engines: list[str] = field(default_factory=lambda: list(VARIANTS))       # subset of VARIANTS
+    vllm_compile: bool = False          # vLLM without enforce_eager (torch.compile; CUDA graphs on GPU)
+    torch_compile: bool | None = None   # our engine's EngineConfig.compile (None = auto: compiled for SmolLM2)
+    device: str = "cpu"                 # of our engine (vLLM picks its platform itself)
+    gpu_memory_utilization: float = 0.3  # per vLLM instance (two run at once on a GPU)
+    seed: int = 1000                    # repeat r uses seed + r for every engine
+    json: str | None = None             # write all results here
+    log: str | None = None              # append a dated entry to this markdown file (experiments/LOG.md)
+
+    def __post_init__(self):
+        bad = [e for e in self.engines if e not in VARIANTS]
+        if bad or not self.engines:
+            raise ValueError(f"engines must be a non-empty subset of {VARIANTS}, got {list(self.engines)}")
+        if self.repeats < 1 or self.k < 1 or self.max_new_tokens < 1:
+            raise ValueError("repeats, k and max_new_tokens must be >= 1")
 
 
-def _stats(batches) -> SpecDecodingStats:
+# --------------------------------------------------------------------------- child processes
+def _child(conn, cfg: AgainstVLLMConfig, kind: str, dtype: str, threads: int, prompts: list[list[int]]) -> None:
+    """One engine in its own process: answers ("gen", batch, k, seed, max_new) until ("stop",)."""
+    try:
+        if kind.startswith("vllm"):
+            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = f"0-{threads - 1}" if threads > 1 else "0"
+        import torch
+
+        torch.set_num_threads(threads)
+        from experiments.generate import resolve_heads
+        from rollout.models.policy import load_policy
+
+        policy, _ = load_policy(cfg.model, dtype)
+        heads, heads_desc = resolve_heads(policy, cfg.model, cfg.heads, cfg.num_depths)
+        policy, heads = policy.to(cfg.device), heads.to(cfg.device)
+        t0 = time.perf_counter()
+        if kind == "torch":
+            from rollout.engine.config import EngineConfig
+            from rollout.torch_engine import TorchEngine
+            engine = TorchEngine(policy, heads, config=EngineConfig(compile=cfg.torch_compile))
+        else:
+            from rollout.vllm import VLLMEngine, VLLMEngineConfig
+            engine = VLLMEngine(policy, heads, config=VLLMEngineConfig(
+                dtype=dtype, enforce_eager=not cfg.vllm_compile, gpu_memory_utilization=cfg.gpu_memory_utilization))
+        conn.send(("ready", heads_desc))
+        while True:
+            msg = conn.recv()
+            if msg[0] == "stop":
+                break
+            _, batch, k, seed, max_new = msg
+            sp = SamplingParams(max_new_tokens=max_new, temperature=cfg.temperature, num_draft_tokens=k,
+                                draft_mode=cfg.draft_mode, ignore_eos=True, seed=seed)
+            out = engine.generate([prompts[i % len(prompts)] for i in range(batch)], sp)
+            stats = out.spec_stats() if k else SpecDecodingStats()
+            conn.send(("ok", dict(tok_s=out.tokens_per_s, tokens=out.num_tokens, wall_s=out.wall_time_s,
+                                  stats=asdict(stats), start_s=getattr(engine, "start_time_s", None),
+                                  setup_s=time.perf_counter() - t0)))
+        if hasattr(engine, "close"):
+            engine.close()
+    except Exception:  # noqa: BLE001 - reported to the parent, which fails the run with it
+        conn.send(("error", traceback.format_exc()))
+
+
+class _Engine:
+    """The parent's handle on one child process."""
+
+    def __init__(self, ctx, cfg, kind: str, dtype: str, threads: int, prompts):
+        self.kind = kind
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_child, args=(child, cfg, kind, dtype, threads, prompts), daemon=True)
+        self.proc.start()
+        self.heads_desc = self._reply()
+
+    def _reply(self):
+        status, payload = self.conn.recv()
+        if status == "error":
+            raise RuntimeError(f"{self.kind} engine process failed:\n{payload}")
+        return payload
+
+    def generate(self, batch: int, k: int, seed: int, max_new: int) -> dict:
+        self.conn.send(("gen", batch, k, seed, max_new))
+        return self._reply()
+
+    def stop(self) -> None:
+        if self.proc.is_alive():
+            self.conn.send(("stop",))
+            self.proc.join(timeout=60)
+        if self.proc.is_alive():
+            self.proc.kill()
+
+
+# --------------------------------------------------------------------------- the benchmark
+def _chat_prompts(cfg: AgainstVLLMConfig) -> list[list[int]]:
+    from rollout.models.loaders import apply_chat_template, load_model
+
+    loaded = load_model(cfg.model)
+    return [apply_chat_template(loaded, [{"role": "user", "content": p}]) for p in PROMPTS]
+
+
+def _merge(rows: list[dict]) -> SpecDecodingStats:
     total = SpecDecodingStats()
-    for b in batches:
-        total = total.merge(b.spec_stats())
+    for r in rows:
+        total = total.merge(SpecDecodingStats(**r["stats"]))
     return total
 
 
-def _run(engine, prompts, sp: SamplingParams, repeats: int) -> tuple[float, SpecDecodingStats]:
-    """Median tokens/s over `repeats` (seeds differ), and the merged acceptance counters."""
-    engine.generate(prompts, sp)                           # warm-up (allocations, prefix cache)
-    rates, batches = [], []
-    for r in range(repeats):
-        batch = engine.generate(prompts, SamplingParams(**{**sp.__dict__, "seed": 1000 + r}))
-        rates.append(batch.tokens_per_s)
-        batches.append(batch)
-    return statistics.median(rates), _stats(batches)
+def _setting(ctx, cfg: AgainstVLLMConfig, dtype: str, threads: int, prompts) -> dict:
+    """All engines of one (dtype, threads) setting, interleaved; returns per (batch, variant) results."""
+    kinds = {"torch": any(e.startswith("torch") for e in cfg.engines),
+             "vllm-plain": "vllm-plain" in cfg.engines, "vllm-spec": "vllm-spec" in cfg.engines}
+    load_before = os.getloadavg()
+    engines = {}
+    try:
+        for kind, wanted in kinds.items():
+            if wanted:
+                engines[kind] = _Engine(ctx, cfg, kind, dtype, threads, prompts)
+        route = {"torch-plain": ("torch", 0), "torch-spec": ("torch", cfg.k),
+                 "vllm-plain": ("vllm-plain", 0), "vllm-spec": ("vllm-spec", cfg.k)}
+        runs: dict[tuple[int, str], list[dict]] = {}
+        for b in cfg.batch_sizes:                          # warm-up: first-call allocations, compilation
+            for v in cfg.engines:
+                kind, k = route[v]
+                engines[kind].generate(b, k, cfg.seed - 1, min(8, cfg.max_new_tokens))
+        for r in range(cfg.repeats):
+            for b in cfg.batch_sizes:
+                order = list(cfg.engines)[r % len(cfg.engines):] + list(cfg.engines)[:r % len(cfg.engines)]
+                for v in order:
+                    kind, k = route[v]
+                    res = engines[kind].generate(b, k, cfg.seed + r, cfg.max_new_tokens)
+                    runs.setdefault((b, v), []).append(res)
+                    st = SpecDecodingStats(**res["stats"])
+                    acc = f"  acceptance {st.acceptance_rate:.3f} tau {st.acceptance_length:.2f}" if k else ""
+                    print(f"  {dtype} {threads}t B={b} rep {r} {v:11s} {res['tok_s']:8.1f} tok/s{acc}", flush=True)
+        heads_desc = next(iter(engines.values())).heads_desc
+    finally:
+        for e in engines.values():
+            e.stop()
+    rows = []
+    for (b, v), reps in runs.items():
+        st = _merge(reps) if route[v][1] else None
+        rows.append(dict(dtype=dtype, threads=threads, batch=b, engine=v,
+                         tok_s=statistics.median(x["tok_s"] for x in reps), tok_s_all=[x["tok_s"] for x in reps],
+                         acceptance=st.acceptance_rate if st else None, tau=st.acceptance_length if st else None,
+                         cond_acceptance=st.conditional_acceptance if st else None,
+                         vllm_start_s=reps[0]["start_s"]))
+    ratios = {}
+    for b in cfg.batch_sizes:
+        for num, den in (("torch-spec", "torch-plain"), ("vllm-spec", "vllm-plain"), ("torch-plain", "vllm-plain"),
+                         ("torch-spec", "vllm-plain")):
+            if (b, num) in runs and (b, den) in runs:
+                ratios[f"B={b} {num} / {den}"] = statistics.median(
+                    x["tok_s"] / y["tok_s"] for x, y in zip(runs[(b, num)], runs[(b, den)]))
+    return dict(dtype=dtype, threads=threads, heads=heads_desc, rows=rows, ratios=ratios,
+                load_before=load_before, load_after=os.getloadavg())
 
 
-def _fmt(s: SpecDecodingStats) -> str:
-    if not s.num_drafts:
-        return ""
-    pos = " ".join(f"{a:.2f}" for a in s.conditional_acceptance)
-    return f"acc {s.acceptance_rate:.3f} tau {s.acceptance_length:.2f} per-pos [{pos}]"
+def run(cfg: AgainstVLLMConfig) -> dict:
+    """Every (dtype, threads) setting in turn; returns {"config", "machine", "settings": [...]}."""
+    ctx = mp.get_context("spawn")
+    prompts = _chat_prompts(cfg)
+    out = dict(config=asdict(cfg), machine=_machine(), started=dt.datetime.now(dt.timezone.utc).isoformat(),
+               settings=[])
+    for dtype in cfg.dtypes:
+        for threads in cfg.threads:
+            print(f"== {dtype}, {threads} thread(s)", flush=True)
+            s = _setting(ctx, cfg, dtype, threads, prompts)
+            out["settings"].append(s)
+            print(_table(s), flush=True)
+    return out
 
 
-def main(argv=None) -> dict:
-    args = parse_args(argv)
-    torch.set_num_threads(args.threads)
-    policy, loaded = load_policy(args.model, "float32")
-    heads, heads_desc = resolve_heads(policy, args.model, args.heads, args.num_depths)
-    policy, heads = policy.to(args.device), heads.to(args.device)
-    chats = [apply_chat_template(loaded, [{"role": "user", "content": p}]) for p in PROMPTS]
-    sp = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, draft_mode=args.draft_mode,
-              ignore_eos=True)
-    vocab = getattr(heads, "draft_vocab", None)
-    print(f"model {args.model} float32 on {args.device} | heads {heads_desc} (D={heads.num_depths}, draft vocab "
-          f"{'full' if vocab is None else len(vocab)}) | k={args.k} {args.draft_mode} "
-          f"T={args.temperature} | {args.max_new_tokens} new tokens | {platform.processor() or platform.machine()}, "
-          f"{torch.get_num_threads()} torch threads")
-    results: dict = {"args": vars(args), "heads": heads_desc, "rows": []}
-    by_batch = {b: [chats[i % len(chats)] for i in range(b)] for b in args.batch}
+def _machine() -> str:
+    try:
+        cpu = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
+    except (OSError, StopIteration):
+        cpu = platform.processor() or platform.machine()
+    return f"{cpu}, {os.cpu_count()} logical CPUs"
 
-    if not args.skip_torch:
-        eng = TorchEngine(policy, heads)
-        for b, prompts in by_batch.items():
-            tps, st = _run(eng, prompts, SamplingParams(num_draft_tokens=args.k, **sp), args.repeats)
-            results["rows"].append({"engine": "torch-spec", "batch": b, "tok_s": tps, "acc": st.acceptance_rate,
-                                    "tau": st.acceptance_length, "per_pos": st.conditional_acceptance})
-            print(f"torch spec  B={b}: {tps:7.1f} tok/s  {_fmt(st)}")
 
-    cfg = VLLMEngineConfig(enforce_eager=not args.compile, gpu_memory_utilization=args.gpu_mem_util)
-    for k in (0, args.k):
-        eng = VLLMEngine(policy, heads, config=cfg)
-        for b, prompts in by_batch.items():
-            tps, st = _run(eng, prompts, SamplingParams(num_draft_tokens=k, **sp), args.repeats)
-            name = "vllm-spec" if k else "vllm-plain"
-            results["rows"].append({"engine": name, "batch": b, "tok_s": tps, "acc": st.acceptance_rate if k else None,
-                                    "tau": st.acceptance_length if k else None,
-                                    "per_pos": st.conditional_acceptance if k else None})
-            print(f"{name:11s} B={b}: {tps:7.1f} tok/s  {_fmt(st)}")
-            if k:   # vLLM's own counters for the last call, as a cross-check of the per-request ones
-                print(f"            vLLM counters (last call): {_fmt(eng.last_stats)}")
-        eng.close()
+def _table(s: dict) -> str:
+    fmt = lambda xs: "[" + " ".join(f"{x:.2f}" for x in xs) + "]"  # noqa: E731
+    lines = [f"{s['dtype']}, {s['threads']} thread(s); heads: {s['heads']}; load average "
+             f"{s['load_before'][0]:.1f} before, {s['load_after'][0]:.1f} after", "",
+             "| batch | engine | tok/s (median) | acceptance | tau | conditional acceptance per position |",
+             "|---|---|---|---|---|---|"]
+    for r in s["rows"]:
+        acc = "" if r["acceptance"] is None else f"{r['acceptance']:.3f}"
+        tau = "" if r["tau"] is None else f"{r['tau']:.2f}"
+        cond = "" if r["cond_acceptance"] is None else fmt(r["cond_acceptance"])
+        lines.append(f"| {r['batch']} | {r['engine']} | {r['tok_s']:.1f} | {acc} | {tau} | {cond} |")
+    lines += ["", "Ratios (median of per-repeat ratios): " + "; ".join(f"{k} = {v:.2f}" for k, v in s["ratios"].items())]
+    return "\n".join(lines)
 
-    rate = {(r["engine"], r["batch"]): r["tok_s"] for r in results["rows"]}
-    for b in args.batch:
-        plain = rate[("vllm-plain", b)]
-        line = f"B={b}: vLLM spec / vLLM plain = {rate[('vllm-spec', b)] / plain:.2f}"
-        if ("torch-spec", b) in rate:
-            line += f"; torch spec / vLLM plain = {rate[('torch-spec', b)] / plain:.2f}"
-        print(line)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=2, default=str)
-    return results
+
+def append_log(path: str, argv: list[str], result: dict) -> None:
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    cfg = result["config"]
+    head = [f"\n## {dt.date.today().isoformat()} — bench-decode --against vllm (commit {commit})\n",
+            f"Command: `mtp-rollout bench-decode --against vllm {' '.join(argv)}`  ",
+            f"Machine: {result['machine']}; k={cfg['k']} {cfg['draft_mode']}, T={cfg['temperature']}, "
+            f"{cfg['max_new_tokens']} new tokens, {cfg['repeats']} repeats, vLLM "
+            f"{'compiled' if cfg['vllm_compile'] else 'eager'}\n"]
+    with open(path, "a") as f:
+        f.write("\n".join(head) + "\n" + "\n\n".join(_table(s) for s in result["settings"]) + "\n")
+
+
+def main(argv: list[str] | None = None) -> int:
+    from rollout.config_loader import config_help, load_config, wants_help
+
+    argv = sys.argv[1:] if argv is None else argv
+    if wants_help(argv):
+        print(__doc__ + "\n" + config_help(AgainstVLLMConfig))
+        return 0
+    cfg, _ = load_config(AgainstVLLMConfig, argv)
+    result = run(cfg)
+    if cfg.json:
+        with open(cfg.json, "w") as f:
+            json.dump(result, f, indent=1)
+    if cfg.log:
+        append_log(cfg.log, argv, result)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -27,6 +28,10 @@ from pathlib import Path
 import psutil
 
 GRACE_S = 3.0
+START_ATTEMPTS = 2     # ray.init of a local Ray that still did not start
+REGISTER_WAIT_S = 180.0   # how long a starting local raylet may take to register on a loaded machine
+
+logger = logging.getLogger(__name__)
 
 
 def records_dir() -> Path:
@@ -113,6 +118,39 @@ def start_guard() -> subprocess.Popen:
                             start_new_session=True, close_fds=True)
 
 
+@contextmanager
+def patient_node_registration(wait_s: float):
+    """Ray gives a new local raylet a fixed 30 s to register with its GCS (ray._private.node), which an
+    overloaded machine misses. While starting, the lookup it polls keeps retrying for up to wait_s."""
+    from ray._private import services
+
+    original = services.get_node
+    if wait_s <= 0:
+        yield
+        return
+
+    def get_node(*args, **kwargs):
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                return original(*args, **kwargs)
+            except RuntimeError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(1.0)
+
+    services.get_node = get_node
+    try:
+        yield
+    finally:
+        services.get_node = original
+
+
+def stop_ray_descendants() -> int:
+    """Stop the Ray processes this process started (what a failed ray.init leaves behind)."""
+    return stop_processes({p.pid: p.create_time() for p in psutil.Process().children(recursive=True) if _is_ray(p)})
+
+
 def stop_guard(guard: subprocess.Popen, timeout: float = 15.0) -> None:
     """After a normal ray.shutdown(): the guard stops what is left of Ray, then exits."""
     if guard.poll() is None:
@@ -135,7 +173,18 @@ def local_ray(address: str | None = None, **init_kwargs):
         return
     guard = start_guard() if address is None else None
     try:
-        ray.init(address=address, include_dashboard=False, **init_kwargs)
+        for attempt in range(1, START_ATTEMPTS + 1):
+            try:
+                with patient_node_registration(REGISTER_WAIT_S if address is None else 0):
+                    ray.init(address=address, include_dashboard=False, **init_kwargs)
+                break
+            except Exception as e:  # noqa: BLE001 - Ray raises a bare Exception for a slow start
+                if attempt == START_ATTEMPTS or address is not None or "timed out during startup" not in str(e):
+                    raise
+                # Ray waits a fixed 30 s for its raylet; on an overloaded machine that is not enough
+                logger.warning("local Ray did not start in time (%s); stopping its processes, retrying", e)
+                ray.shutdown()
+                stop_ray_descendants()
         yield
     finally:
         if ray.is_initialized():

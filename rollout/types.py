@@ -125,6 +125,8 @@ class Completion:
     # draft_entropies[r][j] is H(p) at draft position j of round r (reached iff j <= accepted).
     round_accepted: list[int] = field(default_factory=list)
     draft_entropies: list[list[float]] = field(default_factory=list)
+    round_draft_tokens: list[int] = field(default_factory=list)  # drafts of round r (adaptive k); [] = all k
+    nonfinite_draft_rounds: int = 0     # rounds whose q had NaN/inf: no drafts, one plain token
     num_draft_tokens: int = 0
     finish_reason: str = "length"       # "stop" | "length"
     policy_version: int = 0
@@ -133,7 +135,10 @@ class Completion:
     domain: str | None = None           # task domain label, set by the caller
 
     def spec_stats(self) -> "SpecDecodingStats":
-        return SpecDecodingStats.from_rounds(self.round_accepted, self.num_draft_tokens)
+        stats = SpecDecodingStats.from_rounds(self.round_accepted, self.num_draft_tokens,
+                                              self.round_draft_tokens or None)
+        stats.num_nonfinite_rounds = self.nonfinite_draft_rounds
+        return stats
 
 
 @dataclass
@@ -146,16 +151,19 @@ class SpecDecodingStats:
     num_emitted_tokens: int = 0         # accepted + one recovered/bonus token per round
     accepted_per_pos: list[int] = field(default_factory=list)  # accepted at draft position j
     reached_per_pos: list[int] = field(default_factory=list)   # rounds that reached position j
+    num_nonfinite_rounds: int = 0       # row-rounds whose draft q had NaN/inf (fell back to a plain token)
 
     @classmethod
-    def from_rounds(cls, round_accepted: list[int], k: int) -> "SpecDecodingStats":
+    def from_rounds(cls, round_accepted: list[int], k: int, round_k: list[int] | None = None) -> "SpecDecodingStats":
+        """round_k[r]: drafts proposed in round r (adaptive k); None = k every round."""
         s = cls(accepted_per_pos=[0] * k, reached_per_pos=[0] * k)
-        for n in round_accepted:
+        for r, n in enumerate(round_accepted):
+            k_r = k if round_k is None else round_k[r]
             s.num_drafts += 1
-            s.num_draft_tokens += k
+            s.num_draft_tokens += k_r
             s.num_accepted_tokens += n
             s.num_emitted_tokens += n + 1
-            for j in range(k):
+            for j in range(k_r):
                 s.reached_per_pos[j] += int(n >= j)
                 s.accepted_per_pos[j] += int(n > j)
         return s
@@ -170,6 +178,7 @@ class SpecDecodingStats:
             self.num_emitted_tokens + other.num_emitted_tokens,
             [a + b for a, b in zip(pad(self.accepted_per_pos), pad(other.accepted_per_pos))],
             [a + b for a, b in zip(pad(self.reached_per_pos), pad(other.reached_per_pos))],
+            self.num_nonfinite_rounds + other.num_nonfinite_rounds,
         )
 
     @property
@@ -192,6 +201,12 @@ class RolloutBatch:
 
     completions: list[Completion]
     wall_time_s: float = 0.0
+    compile_time_s: float = 0.0         # part of wall_time_s spent compiling (torch engine)
+    k_choices: list = field(default_factory=list)  # adaptive k: one rollout.engine.adaptive.KChoice per round
+
+    @property
+    def nonfinite_draft_rounds(self) -> int:
+        return sum(c.nonfinite_draft_rounds for c in self.completions)
 
     @property
     def num_tokens(self) -> int:

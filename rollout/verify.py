@@ -4,6 +4,11 @@ Terms follow vLLM's rejection sampler: a draft token is *accepted* with probabil
 min(1, p/q); the first rejected position emits a *recovered* token drawn from
 norm(max(0, p - q)); when all k drafts pass, a *bonus* token is drawn from p.
 Temperature 0 is one-hot p and the same code then does exact greedy verification.
+
+Sampling is an exponential race (the Gumbel-max trick in probability space): token
+argmax_v p(v) / E_v with E_v ~ Exp(1), one uniform draw per candidate. It needs no cumulative
+sum and no host synchronisation (torch.multinomial checks its input on the host), and rows
+with zero mass never win unless the whole row is zero.
 """
 from __future__ import annotations
 
@@ -40,9 +45,11 @@ def entropy(probs: torch.Tensor) -> torch.Tensor:
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
-    """One token per row: probs [..., V] -> [...] int64."""
-    flat = probs.reshape(-1, probs.shape[-1])
-    return torch.multinomial(flat, 1, generator=generator).view(probs.shape[:-1])
+    """One token per row by the exponential race: probs [..., V] -> [...] int64.
+
+    P(argmax_v p_v / E_v = v) = p_v / sum(p) for independent E_v ~ Exp(1)."""
+    race = torch.empty_like(probs, dtype=torch.float32).exponential_(1.0, generator=generator)
+    return (probs.float() / race).argmax(-1)
 
 
 def rejection_sample(
@@ -50,7 +57,11 @@ def rejection_sample(
     draft_probs: torch.Tensor | None,    # [B, k, V]; None = drafted greedily (one-hot q)
     target_probs: torch.Tensor,          # [B, k+1, V] target dist. at the sampling temperature
     generator: torch.Generator | None = None,
+    num_drafts: torch.Tensor | None = None,  # [B] int64 <= k: drafts per row to consider (None = k)
 ) -> tuple[torch.Tensor, torch.Tensor]:  # output_tokens [B, k+1] (-1 after the last), num_accepted [B]
+    """A row with num_drafts[b] = m < k ignores drafts m.. : at most m are accepted and, when all m
+    pass, its last token is drawn from p at position m (m = 0: one plain token from p[:, 0]).
+    The engine uses it for rows whose draft distribution was not finite."""
     B, k = draft_tokens.shape
     if target_probs.shape[:2] != (B, k + 1):
         raise ValueError(f"target_probs must be [B, k+1, V] = [{B}, {k + 1}, V], got {tuple(target_probs.shape)}")
@@ -68,6 +79,8 @@ def rejection_sample(
     # accepted iff u < p/q, written without division: u * q < p (q > 0 for a drafted token)
     uniform = torch.rand((B, k), generator=generator, device=device, dtype=p_draft.dtype)
     accepted = uniform * q_draft < p_draft                                        # [B, k]
+    if num_drafts is not None:
+        accepted &= torch.arange(k, device=device)[None] < num_drafts[:, None]
     num_accepted = accepted.long().cumprod(dim=1).sum(dim=1)                      # [B]
 
     # recovered distribution at every draft position, bonus distribution at position k
@@ -76,7 +89,10 @@ def rejection_sample(
     recovered = torch.where(mass > 0, residual / mass.clamp_min(1e-30), p_all)  # p == q: never rejected
     final_dists = torch.cat([recovered, target_probs[:, k:]], dim=1)              # [B, k+1, V]
     rows = torch.arange(B, device=device)
-    last_token = sample(final_dists[rows, num_accepted], generator)              # [B]
+    last_dist = final_dists[rows, num_accepted]                                   # [B, V]
+    if num_drafts is not None:  # all of a row's m drafts passed: its bonus comes from p at m
+        last_dist = torch.where((num_accepted == num_drafts)[:, None], target_probs[rows, num_accepted], last_dist)
+    last_token = sample(last_dist, generator)                                    # [B]
 
     positions = torch.arange(k + 1, device=device)[None]                          # [1, k+1]
     drafts_padded = torch.cat([draft_tokens, draft_tokens.new_full((B, 1), PLACEHOLDER)], dim=1)

@@ -13,6 +13,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from mtp_heads.heads import MTPHeads
+from rollout.models.config import ModelConfig
+from rollout.models.decoder import CausalLM, build_model
 from rollout.models.dtypes import parse_dtype
 
 _ALIGN = 64  # bytes; every tensor starts on a boundary so that a dtype view is always legal
@@ -90,18 +93,15 @@ def unpack(flat: FlatWeights, *, copy: bool = False) -> dict[str, torch.Tensor]:
 
 # -- shipped weights -> modules (workers and the co-trainer build theirs the same way) ----------
 
-def policy_from_flat(config, flat: FlatWeights, dtype: str = "float32", device: str = "cpu"):
+def policy_from_flat(config: ModelConfig, flat: FlatWeights, dtype: str = "float32",
+                     device: str = "cpu") -> CausalLM:
     """A frozen CausalLM (rollout.models.decoder) holding the shipped weights."""
-    from rollout.models.decoder import build_model
-
     return build_model(config, unpack(flat), parse_dtype(dtype), device)
 
 
-def heads_from_flat(policy_config, num_depths: int, flat: FlatWeights, dtype: str = "float32",
-                    device: str = "cpu"):
+def heads_from_flat(policy_config: ModelConfig, num_depths: int, flat: FlatWeights, dtype: str = "float32",
+                    device: str = "cpu") -> MTPHeads:
     """MTPHeads (mtp_heads.heads) for `policy_config` holding the shipped weights."""
-    from mtp_heads.heads import MTPHeads
-
     heads = MTPHeads(policy_config, num_depths)
     heads.load_state_dict(unpack(flat))
     return heads.to(device=device, dtype=parse_dtype(dtype))

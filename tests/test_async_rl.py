@@ -3,11 +3,11 @@ import json
 from pathlib import Path
 
 import pytest
-import ray
 import torch
 
 from experiments.async_rl import main
 from rollout.monitor import AcceptanceMonitor
+from rollout.ray_guard import local_ray as guarded_ray
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
@@ -16,9 +16,8 @@ pytestmark = [pytest.mark.ray, pytest.mark.slow]
 @pytest.fixture(scope="module")
 def local_ray():
     threads = torch.get_num_threads()
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
+    with guarded_ray(num_cpus=2, log_to_driver=False):     # retries a start that timed out on a loaded machine
+        yield
     torch.set_num_threads(threads)
 
 

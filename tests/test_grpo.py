@@ -235,6 +235,18 @@ def test_configs_readme_table_is_the_schema_and_every_key_has_a_meaning():
     assert not undocumented, f"give these fields a comment or metadata help: {undocumented}"
 
 
+def test_update_readme_rewrites_only_a_stale_table(tmp_path):
+    from trainers.config import update_readme_table
+
+    readme = tmp_path / "README.md"
+    current = (ROOT / "configs/README.md").read_text()
+    stale = current.replace("| `steps` | `20` | RL steps |\n", "")
+    assert stale != current
+    readme.write_text(stale)
+    assert update_readme_table(readme) and readme.read_text() == current
+    assert not update_readme_table(readme)
+
+
 def test_run_help_lists_every_key_with_default_and_meaning(capsys):
     from experiments.async_rl import main
 

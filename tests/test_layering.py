@@ -2,14 +2,15 @@
 
 Layers, lowest first (DESIGN.md): model definitions and loaders -> heads, losses and the
 distillation core -> engines -> co-trainer and workers -> the accelerator (runtime) ->
-experiments and the CLI. Every import is walked: top level, lazy inside functions, under
-`if TYPE_CHECKING:`, and `importlib.import_module("...")` with a literal name. The rules:
+experiments and the CLI; LAYERS below puts every module in one. Every import is walked:
+top level, lazy inside functions, under `if TYPE_CHECKING:`, and
+`importlib.import_module("...")` with a literal name. The rules:
 
 1. no import cycle between modules;
-2. mtp_heads imports only itself and the bottom of rollout (models, types, weights, file
-   and config helpers, the verification function): no engine, runtime, trainer or experiment;
+2. mtp_heads imports only itself and the bottom layer: no engine, runtime, trainer or experiment;
 3. no library module (rollout, mtp_heads, trainers) imports experiments;
-4. no private name (`_x`) is imported from another module.
+4. no private name (`_x`) is imported from another module;
+5. every module has a layer and imports only from its own layer or lower ones.
 
 Each rule is also run on a synthetic tree with one planted violation, to show it can fail.
 """
@@ -24,9 +25,23 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 LIBRARY = ("rollout", "mtp_heads", "trainers")
 SCANNED = (*LIBRARY, "experiments")
-# what mtp_heads may import besides itself: the layer below it (and the package roots' plain helpers)
-HEADS_MAY_IMPORT = ("mtp_heads", "rollout.models", "rollout.types", "rollout.weights", "rollout.fileio",
-                    "rollout.config_loader", "rollout.verify")
+# (layer, module prefixes), lowest first; the longest matching prefix decides. A new module
+# outside these prefixes fails rule 5 until it is placed here.
+LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("models, loaders and file/config helpers", ("rollout.models", "rollout.types", "rollout.fileio",
+                                                 "rollout.config_loader", "rollout.run_dir")),
+    ("heads, losses and the distillation core", ("mtp_heads",)),
+    ("engines", ("rollout.verify", "rollout.torch_engine", "rollout.engine", "rollout.vllm", "rollout.vllm_engine",
+                 "rollout.vllm_drafter", "rollout.vllm_export")),
+    ("co-trainer, workers, weight shipping, monitor", ("trainers.cotrainer", "trainers.refresh", "rollout.workers",
+                                                      "rollout.weights", "rollout.monitor")),
+    ("runtime", ("rollout.accelerator", "rollout.worker_pool", "rollout.cotrainer_client",
+                 "rollout.published_weights", "rollout.ray_guard")),
+    ("RL loops: the GRPO job, integrations into other trainers", ("trainers", "rollout.integrations")),
+    ("experiments and the CLI", ("experiments",)),
+)
+PACKAGE_LAYERS = {"rollout": 4, "mtp_heads": 1, "trainers": 5, "experiments": 6}   # the __init__ modules
+HEADS_MAY_IMPORT = (*LAYERS[0][1], *LAYERS[1][1])
 
 
 @dataclass(frozen=True)
@@ -114,6 +129,18 @@ def _within(mod: str, prefixes) -> bool:
     return any(mod == p or mod.startswith(p + ".") for p in prefixes)
 
 
+def layer_of(mod: str) -> int | None:
+    """Index into LAYERS of a module (longest matching prefix); None if no layer holds it."""
+    if mod in PACKAGE_LAYERS:
+        return PACKAGE_LAYERS[mod]
+    best = None
+    for i, (_, prefixes) in enumerate(LAYERS):
+        for p in prefixes:
+            if _within(mod, (p,)) and (best is None or len(p) > best[1]):
+                best = (i, len(p))
+    return None if best is None else best[0]
+
+
 # -- the four rules: each returns human-readable violations, "file:line: what" ------------------
 
 def cycle_violations(mods: dict[str, Path], edges: list[Edge]) -> list[str]:
@@ -173,7 +200,19 @@ def private_name_violations(edges: list[Edge]) -> list[str]:
             if n.startswith("_") and not (n.startswith("__") and n.endswith("__"))]
 
 
+def downward_violations(mods: dict[str, Path], edges: list[Edge]) -> list[str]:
+    out = [f"module {m} has no layer: add its prefix to LAYERS in tests/test_layering.py"
+           for m in mods if layer_of(m) is None]
+    for e in edges:
+        src, dst = layer_of(e.src), layer_of(e.dst)
+        if src is not None and dst is not None and dst > src:
+            out.append(f"{e.file}:{e.line}: {e.src} ({LAYERS[src][0]}) imports {e.dst}, a higher layer "
+                       f"({LAYERS[dst][0]})")
+    return out
+
+
 RULES = {"cycles": lambda mods, edges: cycle_violations(mods, edges),
+         "down": downward_violations,
          "heads": lambda mods, edges: heads_layer_violations(edges),
          "experiments": lambda mods, edges: experiments_violations(edges),
          "private": lambda mods, edges: private_name_violations(edges)}
@@ -181,9 +220,16 @@ RULES = {"cycles": lambda mods, edges: cycle_violations(mods, edges),
 
 # -- the real tree -------------------------------------------------------------------------------
 
+class ImportGraph(tuple):
+    """(modules, edges) with a short repr, so a failing test prints the violations, not the graph."""
+
+    def __repr__(self) -> str:
+        return f"<import graph: {len(self[0])} modules, {len(self[1])} imports>"
+
+
 @pytest.fixture(scope="module")
 def tree():
-    return import_edges(ROOT)
+    return ImportGraph(import_edges(ROOT))
 
 
 def test_the_walk_sees_every_kind_of_import(tree):
@@ -209,7 +255,8 @@ def test_layering_rule_holds(tree, rule):
 CLEAN = {
     "rollout/__init__.py": "",
     "rollout/models/__init__.py": "",
-    "rollout/models/decoder.py": "import torch\n",
+    "rollout/models/config.py": "",
+    "rollout/models/decoder.py": "import torch\nfrom rollout.models.config import ModelConfig\n",
     "rollout/torch_engine.py": "from rollout.models.decoder import x\n",
     "rollout/accelerator.py": "from rollout.torch_engine import TorchEngine\nfrom trainers.cotrainer import C\n",
     "mtp_heads/__init__.py": "",
@@ -220,12 +267,15 @@ CLEAN = {
     "experiments/run.py": "from rollout.accelerator import RolloutAccelerator\nfrom experiments import run\n",
 }
 
+# rule -> (file, text appended to it, other rules that the same import rightly breaks too)
 PLANTED = {
-    "cycles": ("trainers/cotrainer.py",
-               "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from rollout.accelerator import Cfg\n"),
-    "heads": ("mtp_heads/heads.py", "def evaluate():\n    from rollout.torch_engine import TorchEngine\n"),
-    "experiments": ("trainers/tasks.py", "import importlib\nm = importlib.import_module('experiments.run')\n"),
-    "private": ("experiments/run.py", "from rollout.models.decoder import _helper\n"),
+    "cycles": ("rollout/models/config.py",
+               "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from rollout.models.decoder import X\n", ()),
+    "heads": ("mtp_heads/heads.py", "def evaluate():\n    from rollout.torch_engine import TorchEngine\n", ("down",)),
+    "experiments": ("trainers/tasks.py", "import importlib\nm = importlib.import_module('experiments.run')\n",
+                    ("down",)),
+    "private": ("experiments/run.py", "from rollout.models.decoder import _helper\n", ()),
+    "down": ("rollout/torch_engine.py", "def refresh():\n    from trainers.cotrainer import C\n", ()),
 }
 
 
@@ -243,12 +293,19 @@ def test_the_clean_synthetic_tree_passes(tmp_path):
 
 @pytest.mark.parametrize("rule", sorted(PLANTED))
 def test_a_planted_violation_fails_its_rule(tmp_path, rule):
-    rel, extra = PLANTED[rule]
+    rel, extra, also = PLANTED[rule]
     _write(tmp_path, {**CLEAN, rel: CLEAN.get(rel, "") + extra})
     mods, edges = import_edges(tmp_path)
     found = {r: RULES[r](mods, edges) for r in RULES}
     assert len(found[rule]) == 1 and rel in found[rule][0], found
-    assert all(not v for r, v in found.items() if r != rule), found
+    assert {r for r, v in found.items() if v} == {rule, *also}, found
+
+
+def test_a_module_without_a_layer_fails(tmp_path):
+    _write(tmp_path, {**CLEAN, "rollout/new_thing.py": "from rollout.types import X\n"})
+    mods, edges = import_edges(tmp_path)
+    assert downward_violations(mods, edges) == [
+        "module rollout.new_thing has no layer: add its prefix to LAYERS in tests/test_layering.py"]
 
 
 def test_relative_and_from_package_imports_resolve(tmp_path):

@@ -3,6 +3,7 @@ Ray with tiny random models (versions, entropy-triggered refresh, faults, lossle
 import os
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -23,6 +24,7 @@ from trainers.cotrainer import CoTrainerConfig, HeadCoTrainer
 from trainers.refresh import StepObservation, build_refresh_policy
 
 PROMPTS = [[2 + i, 3, 4 + i, 5] for i in range(4)]
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
@@ -72,6 +74,20 @@ def test_flat_weights_roundtrip_one_buffer_any_dtype():
     assert back["a"].data_ptr() == torch.from_numpy(flat.buffer).data_ptr()   # a view, no copy
     with pytest.raises(ValueError, match="no tensors"):
         pack({})
+
+
+def test_facade_is_importable_from_the_package_without_loading_ray_for_low_layers():
+    import subprocess
+    import sys
+
+    import rollout
+    import rollout.accelerator
+
+    assert rollout.RolloutAccelerator is rollout.accelerator.RolloutAccelerator
+    from rollout import RolloutAccelerator
+    assert RolloutAccelerator is rollout.accelerator.RolloutAccelerator
+    code = "import sys, rollout, rollout.verify, rollout.monitor; assert 'ray' not in sys.modules, 'ray loaded'"
+    subprocess.run([sys.executable, "-c", code], check=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
 
 
 @pytest.mark.parametrize("n,parts", [(16, 2), (5, 3), (2, 4), (1, 1), (7, 7)])

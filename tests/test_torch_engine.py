@@ -1,10 +1,13 @@
 """The torch engine: speculative decoding never changes what is generated."""
+from dataclasses import replace
+
 import pytest
 import torch
 from scipy.stats import chi2_contingency
 
-import rollout.torch_engine as torch_engine_module
+import rollout.engine.round as round_module
 from mtp_heads.heads import MTPHeads
+from rollout.engine.round import run_round
 from rollout.models.decoder import random_model
 from rollout.torch_engine import TorchEngine
 from rollout.types import SamplingParams
@@ -90,13 +93,12 @@ def test_cache_after_rejection_equals_fresh_prefill(tiny_policy):
     """Rewinding is a length change: after each round the cache must reproduce a fresh prefill."""
     engine = TorchEngine(tiny_policy, random_heads(tiny_policy, 2))
     sp = SamplingParams(max_new_tokens=24, temperature=1.0, num_draft_tokens=3, seed=0, ignore_eos=True)
-    gen = torch.Generator().manual_seed(0)
-    state, caches = engine._prefill(PROMPTS, sp, gen)
+    ctx, state, _ = engine._prefill(PROMPTS, sp)
     rejections = 0
     for _ in range(6):
-        n, _, _ = engine._round(state, caches, sp, gen)
-        rejections += int((n < 3).sum())
-        cache = caches.target
+        n = run_round(ctx, state, 3).num_accepted
+        rejections += int((n[:len(PROMPTS)] < 3).sum())
+        cache = state.target
         c = state.committed
         pending = state.seq.gather(1, (c - 1)[:, None])
         cached_logits = tiny_policy(pending, cache, c - 1)[:, 0]
@@ -131,7 +133,7 @@ def test_sequence_distribution_unchanged_by_drafts(mode, monkeypatch):
                              num_draft_tokens=2, draft_mode=mode)
     spec = _continuation_counts(engine, spec_sp, n)
     assert _chi2_pvalue(plain, spec) > 1e-3
-    monkeypatch.setattr(torch_engine_module, "rejection_sample", lossy_rejection_sample)
+    monkeypatch.setattr(round_module, "rejection_sample", lossy_rejection_sample)
     lossy = _continuation_counts(engine, spec_sp, n)
     assert _chi2_pvalue(plain, lossy) < 1e-6
 
@@ -193,3 +195,77 @@ def test_draft_vocabulary_travels_with_the_state_dict(tiny_policy):
     assert getattr(fresh, "draft_vocab", None) is None
     with pytest.raises(ValueError, match="draft_vocab"):
         heads.set_draft_vocab(torch.tensor([64]))
+
+
+@pytest.mark.parametrize("k", [0, 2])
+def test_rows_finishing_at_different_times_equal_each_row_alone(tiny_policy, tiny_heads, k):
+    """T = 0: finished rows leave the batch (compaction into smaller buckets) without changing the others."""
+    engine = TorchEngine(tiny_policy, tiny_heads)
+    ref = engine.generate(PROMPTS, SamplingParams(max_new_tokens=30, temperature=0, ignore_eos=True))
+    stops = tuple({ref.completions[b].tokens[3 + 4 * b] for b in range(3)})   # rows 0-2 stop early
+    sp = SamplingParams(max_new_tokens=30, temperature=0, ignore_eos=True, num_draft_tokens=k,
+                        stop_token_ids=stops)
+    batch = engine.generate(PROMPTS, sp)
+    assert len({len(c.tokens) for c in batch.completions}) > 1
+    assert min(b for b, _ in engine._caches) < 4       # rows were compacted into a smaller bucket
+    for prompt, comp in zip(PROMPTS, batch.completions):
+        alone = engine.generate([prompt], sp).completions[0]
+        assert comp.tokens == alone.tokens and comp.finish_reason == alone.finish_reason
+        assert comp.logprobs == pytest.approx(alone.logprobs, abs=1e-5)
+
+
+def _nan_heads(policy, seed=5):
+    heads = random_heads(policy, 1, seed=seed)
+    with torch.no_grad():
+        heads.depths[0].norm.weight.fill_(float("nan"))
+    return heads
+
+
+def test_nonfinite_drafts_fall_back_to_plain_tokens_and_are_counted():
+    """Heads whose q is NaN: every round emits one plain token, the distribution is unchanged
+    (chi-square against plain decoding) and the rounds are counted."""
+    cfg = tiny_config(vocab_size=5)
+    policy = random_model(cfg, seed=3)
+    engine = TorchEngine(policy, _nan_heads(policy))
+    n = 4000
+    plain = _continuation_counts(engine, SamplingParams(max_new_tokens=3, temperature=1.0, ignore_eos=True, seed=1), n)
+    sp = SamplingParams(max_new_tokens=3, temperature=1.0, ignore_eos=True, seed=2, num_draft_tokens=2)
+    out = engine.generate([[4, 2]] * n, sp)
+    assert _chi2_pvalue(plain, [tuple(c.tokens) for c in out.completions]) > 1e-3
+    assert out.nonfinite_draft_rounds >= 2 * n and out.spec_stats().num_nonfinite_rounds == out.nonfinite_draft_rounds
+    assert all(c.round_accepted == [] for c in out.completions)   # no drafts were verified
+    greedy = SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True)
+    assert ([c.tokens for c in engine.generate([[4, 2], [3]], replace(greedy, num_draft_tokens=2)).completions]
+            == [c.tokens for c in engine.generate([[4, 2], [3]], greedy).completions])
+
+
+def test_bfloat16_tokens_equal_float32_tokens_except_at_near_ties(capsys):
+    cfg = tiny_config()
+    p32, p16 = random_model(cfg, seed=0), random_model(cfg, seed=0, dtype=torch.bfloat16)
+    prompts = PROMPTS + [[30, 31], [40, 41, 42, 43], [50], [60, 2, 9]]
+    sp = SamplingParams(max_new_tokens=24, temperature=0, ignore_eos=True)
+    a = TorchEngine(p32).generate(prompts, sp)
+    b = TorchEngine(p16).generate(prompts, sp)
+    gaps, same = [], 0
+    for prompt, ca, cb in zip(prompts, a.completions, b.completions):
+        if ca.tokens == cb.tokens:
+            same += 1
+            continue
+        i = next(i for i, (x, y) in enumerate(zip(ca.tokens, cb.tokens)) if x != y)
+        top2 = p32(torch.tensor([prompt + ca.tokens[:i]]))[0, -1].topk(2).values
+        gaps.append(float(top2[0] - top2[1]))       # float32 logit gap where the dtypes diverge
+    with capsys.disabled():
+        print(f"\nbf16 vs fp32 at T=0: {same}/{len(prompts)} rows identical; fp32 top-2 logit gaps at divergence: {gaps}")
+    assert same >= len(prompts) // 2
+    assert all(g < 0.05 for g in gaps)
+
+
+def test_bfloat16_speculative_sampling_is_lossless():
+    cfg = tiny_config(vocab_size=5)
+    policy = random_model(cfg, seed=3, dtype=torch.bfloat16)
+    engine = TorchEngine(policy, random_heads(policy, 1, seed=5))
+    n = 4000
+    plain = _continuation_counts(engine, SamplingParams(max_new_tokens=3, temperature=1.0, ignore_eos=True, seed=1), n)
+    spec = _continuation_counts(engine, SamplingParams(max_new_tokens=3, temperature=1.0, ignore_eos=True, seed=2,
+                                                       num_draft_tokens=2), n)
+    assert _chi2_pvalue(plain, spec) > 1e-3

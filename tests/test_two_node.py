@@ -15,6 +15,7 @@ from mtp_heads.heads import init_heads
 from rollout.accelerator import AcceleratorConfig, CoTrainerConfig, RolloutAccelerator, WorkerConfig
 from rollout.models.decoder import random_model
 from rollout.monitor import MonitorConfig
+from rollout.ray_guard import REGISTER_WAIT_S, patient_node_registration, stop_ray_descendants
 from rollout.types import SamplingParams
 from tests.conftest import tiny_config
 
@@ -23,10 +24,22 @@ pytestmark = [pytest.mark.ray, pytest.mark.slow]
 NEW_TOKENS = 600     # long enough that both chunks are still decoding when the node goes
 
 
+def _start_cluster() -> tuple[Cluster, object]:
+    with patient_node_registration(REGISTER_WAIT_S):
+        cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
+        return cluster, cluster.add_node(num_cpus=1)
+
+
 @pytest.fixture
 def two_nodes():
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
-    node = cluster.add_node(num_cpus=1)
+    for attempt in (1, 2):     # Ray gives a raylet a fixed 30 s to register; a loaded machine may need a retry
+        try:
+            cluster, node = _start_cluster()
+            break
+        except Exception as e:  # noqa: BLE001 - Ray raises a bare Exception for a slow start
+            if attempt == 2 or "timed out during startup" not in str(e):
+                raise
+            stop_ray_descendants()          # what the failed start left (no other Ray runs in this test)
     ray.init(address=cluster.address, log_to_driver=False)
     cluster.wait_for_nodes()
     yield cluster, node

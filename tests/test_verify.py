@@ -10,12 +10,12 @@ def _random_dist(V: int, gen: torch.Generator, sharpness: float = 2.0) -> torch.
     return (torch.randn(V, generator=gen) * sharpness).softmax(-1)
 
 
-def lossy_rejection_sample(draft_tokens, draft_probs, target_probs, generator=None):
+def lossy_rejection_sample(draft_tokens, draft_probs, target_probs, generator=None, num_drafts=None):
     """The classic mistake: after a rejection, resample from p instead of norm(max(0, p - q))."""
-    out, n = rejection_sample(draft_tokens, draft_probs, target_probs, generator)
+    out, n = rejection_sample(draft_tokens, draft_probs, target_probs, generator, num_drafts)
     k = draft_tokens.shape[1]
     rows = torch.arange(out.shape[0])
-    rejected = n < k
+    rejected = n < (k if num_drafts is None else num_drafts)
     from_p = sample(target_probs[rows, n], generator)
     out[rows, n] = torch.where(rejected, from_p, out[rows, n])
     return out, n
@@ -113,3 +113,47 @@ def test_process_logits_top_k_top_p_temperature():
     assert (top_p[0, 2:] == 0).all() and (top_p[0, :2] > 0).all()
     hot = process_logits(logits, 0.5)
     assert hot[0, 0] > full[0]
+
+
+def _expected(p, counts):
+    p = p.double()
+    return (p / p.sum() * counts.sum()).numpy()
+
+
+def test_exponential_race_sampler_matches_the_distribution():
+    """sample() draws by argmax p / Exp(1): same distribution tests as multinomial, zeros never drawn."""
+    gen = torch.Generator().manual_seed(3)
+    V, trials = 8, 200_000
+    p = _random_dist(V, gen)
+    p[2] = 0.0
+    p = p / p.sum()
+    counts = torch.bincount(sample(p.expand(trials, V), gen), minlength=V).double()
+    assert counts[2] == 0
+    keep = p > 0
+    assert chisquare(counts[keep].numpy(), _expected(p[keep], counts[keep])).pvalue > 1e-3
+    # batched rows with different distributions, and one draw per candidate: shapes follow probs
+    rows = torch.stack([p, p.roll(1)])
+    out = sample(rows.expand(trials // 10, 2, V), gen)
+    assert out.shape == (trials // 10, 2)
+    assert abs((out[:, 1] == p.roll(1).argmax()).double().mean() - p.max().double()) < 0.02
+
+
+def test_rows_with_fewer_drafts_sample_their_last_token_from_p():
+    """num_drafts[b] = 0 (the engine's fallback for a non-finite q): one token from p[:, 0], even
+    when q is NaN; num_drafts = 1 of k = 2: never more than one accepted, bonus from p[:, 1]."""
+    gen = torch.Generator().manual_seed(4)
+    V, trials = 6, 100_000
+    p = torch.stack([_random_dist(V, gen) for _ in range(3)])               # [k+1, V]
+    q = torch.full((trials, 2, V), float("nan"))
+    drafts = torch.zeros(trials, 2, dtype=torch.long)
+    out, n = rejection_sample(drafts, q, p.expand(trials, 3, V), gen, torch.zeros(trials, dtype=torch.long))
+    assert (n == 0).all() and (out[:, 1:] == PLACEHOLDER).all()
+    counts = torch.bincount(out[:, 0], minlength=V).double()
+    assert chisquare(counts.numpy(), _expected(p[0], counts)).pvalue > 1e-3
+    q = p[:2].expand(trials, 2, V).clone()
+    drafts = sample(q, gen)
+    out, n = rejection_sample(drafts, q, p.expand(trials, 3, V), gen, torch.ones(trials, dtype=torch.long))
+    assert n.max() == 1 and (out[:, 2] == PLACEHOLDER).all()
+    bonus = out[n == 1, 1]
+    counts = torch.bincount(bonus, minlength=V).double()
+    assert chisquare(counts.numpy(), _expected(p[1], counts)).pvalue > 1e-3

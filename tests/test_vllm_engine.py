@@ -290,3 +290,14 @@ def test_plugin_entry_point_names_the_drafter_registration():
     target = meta["project"]["entry-points"]["vllm.general_plugins"]["mtp_rollout_drafter"]
     module, func = target.split(":")
     assert callable(getattr(importlib.import_module(module), func))
+
+
+def test_against_vllm_bench_config_names_bad_engines():
+    """`bench-decode --against vllm` refuses an engine list it cannot run, before starting anything."""
+    from experiments.bench_vllm import AgainstVLLMConfig
+    from rollout.config_loader import load_config
+
+    cfg, _ = load_config(AgainstVLLMConfig, ["engines=[vllm-plain,vllm-spec]", "dtypes=[float32]"])
+    assert cfg.engines == ["vllm-plain", "vllm-spec"] and cfg.k == 3
+    with pytest.raises(ValueError, match="engines must be"):
+        load_config(AgainstVLLMConfig, ["engines=[vllm-fast]"])

@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import dataclasses
 import sys
+from pathlib import Path
 
 from rollout.accelerator import AcceleratorConfig
 from rollout.config_loader import keys_table, load_config
+from rollout.fileio import atomic_write
 from rollout.monitor import MonitorConfig
 from rollout.workers import WorkerConfig
 from rollout.types import DRAFT_MODES, SamplingParams
@@ -87,7 +89,31 @@ def load_run_config(argv: list[str]) -> tuple[RunConfig, str]:
 
 
 USAGE = "python -m experiments.async_rl [configs/<job>.yaml] [key=value ...]"
+README = Path(__file__).resolve().parents[1] / "configs" / "README.md"
+TABLE_SECTION = "## All keys"
+
+
+def update_readme_table(readme: Path = README) -> bool:
+    """Replace the key table under TABLE_SECTION with keys_table(RunConfig); True if it changed.
+
+    Why: the table is generated from the dataclasses (a test insists), so adding a field only
+    needs `python -m trainers.config --update-readme`, not hand-editing 80 rows."""
+    text = readme.read_text(encoding="utf-8")
+    head, sep, tail = text.partition(TABLE_SECTION)
+    if not sep or "| key | default | meaning |" not in tail:
+        raise ValueError(f"{readme} has no key table under {TABLE_SECTION!r}")
+    before, _, rest = tail.partition("| key | default | meaning |")
+    after = rest.split("\n\n", 1)[1] if "\n\n" in rest else ""
+    new = head + sep + before + keys_table(RunConfig) + "\n" + ("\n" + after if after else "")
+    if new != text:
+        atomic_write(readme, new)
+    return new != text
+
 
 if __name__ == "__main__":
-    # no argument: the keys table of configs/README.md; otherwise the resolved config, nothing run
-    print(keys_table(RunConfig) if len(sys.argv) < 2 else load_run_config(sys.argv[1:])[1], end="")
+    # no argument: the keys table of configs/README.md; --update-readme: rewrite that table;
+    # otherwise the resolved config of the arguments, nothing run
+    if sys.argv[1:] == ["--update-readme"]:
+        print("configs/README.md " + ("updated" if update_readme_table() else "already up to date"))
+    else:
+        print(keys_table(RunConfig) if len(sys.argv) < 2 else load_run_config(sys.argv[1:])[1], end="")

@@ -8,6 +8,7 @@ heads back to the facade, which publishes them to the workers.
 """
 from __future__ import annotations
 
+import copy
 import logging
 import os
 import random
@@ -199,7 +200,7 @@ class HeadCoTrainer:
     def state(self) -> dict:
         """Everything a resumed run needs to continue as if never stopped (plain tensors and lists)."""
         return {"heads": {k: v.detach().cpu().clone() for k, v in self.heads.state_dict().items()},
-                "optimizer": self.optimizer.state_dict(), "head_version": self.head_version,
+                "optimizer": copy.deepcopy(self.optimizer.state_dict()), "head_version": self.head_version,
                 "refresh_state": self.refresh_policy.state(), "history": list(self.history),
                 "train_steps": self.train_steps, "rng": list(self.rng.getstate()[1]),
                 "replay": [(torch.from_numpy(seq.copy()), int(plen)) for seq, plen in self.replay]}

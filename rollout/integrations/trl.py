@@ -27,6 +27,7 @@ when vLLM is off) with its own `log_softmax(logits / args.temperature)`: equal q
 args.temperature == 1, TRL's default. Another temperature is refused together with
 off_policy_mask_threshold and warned about otherwise.
 
+Evaluation rollouts (trainer.evaluate) take the same path and count in the next step's record.
 Single process only (one TRL process owns the accelerator); weights are the HF model's own
 parameter names, which are this project's names for llama / qwen2 / qwen3 (policy_tensors).
 """

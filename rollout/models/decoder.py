@@ -4,6 +4,10 @@ Rows of a batch sit at different sequence positions (`start[b]`): a forward writ
 new keys/values at start[b] .. start[b]+T-1 and each query attends to keys at positions
 <= its own. Anything the cache holds beyond a row's committed length is never read, so
 rewinding after a rejected draft is only a change of `start`, never a copy.
+
+The cache is static: preallocated at [B, max_len] and always read whole, masked by position,
+so a forward's shapes depend only on (B, T, max_len) and never on the data. That keeps the
+forward free of host synchronisation and lets torch.compile reuse one graph per shape.
 """
 from __future__ import annotations
 
@@ -87,9 +91,12 @@ class KVCache:
         self.k[layer][rows, positions] = k
         self.v[layer][rows, positions] = v
 
-    def read(self, layer: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        # -> [B, length, H_kv, hd] views
-        return self.k[layer][:, :length], self.v[layer][:, :length]
+    def read(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        # -> [B, max_len, H_kv, hd]: the whole buffer; entries past a row's position are masked
+        return self.k[layer], self.v[layer]
+
+    def tensors(self) -> list[torch.Tensor]:
+        return self.k + self.v
 
 
 class Attention(nn.Module):
@@ -124,9 +131,8 @@ class Attention(nn.Module):
             key_pos = positions
         else:
             cache.write(layer, positions, k, v)
-            length = int(positions.max()) + 1
-            keys, values = cache.read(layer, length)
-            key_pos = torch.arange(length, device=x.device).expand(B, length)
+            keys, values = cache.read(layer)
+            key_pos = torch.arange(cache.max_len, device=x.device).expand(B, cache.max_len)
         # GQA by repeating K/V by hand: SDPA's enable_gqa is much slower on CPU (DESIGN.md).
         groups = self.n_heads // self.n_kv
         keys = keys.transpose(1, 2).repeat_interleave(groups, dim=1)     # [B, H, L, hd]
@@ -210,6 +216,16 @@ class CausalLM(nn.Module):
     def forward(self, tokens: torch.Tensor, cache: KVCache | None = None,
                 start: torch.Tensor | None = None) -> torch.Tensor:
         return self.compute_logits(self.hidden_states(tokens, cache, start))
+
+
+def preferred_dtype(device: str | torch.device = "cpu") -> torch.dtype:
+    """bfloat16 where the hardware computes it natively (CUDA with bf16, CPUs with AVX-512 bf16 /
+    AMX, as oneDNN reports), float32 elsewhere: emulated bf16 is slower than float32."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float32
+    bf16 = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    return torch.bfloat16 if bf16 else torch.float32
 
 
 def build_model(cfg: ModelConfig, state_dict: dict[str, torch.Tensor] | None = None,

@@ -24,6 +24,7 @@ from __future__ import annotations
 import gc
 import logging
 import math
+import shutil
 import tempfile
 import time
 from dataclasses import dataclass
@@ -52,7 +53,8 @@ DRAFT_SAMPLE_METHODS = {"greedy": "greedy", "rejection": "probabilistic"}
 class VLLMEngineConfig:
     """Settings of the vLLM instance(s) an engine starts; defaults fit the CPU test machine."""
 
-    work_dir: str | None = None         # exported policy / drafter dirs and vLLM's cache; None = temp dir
+    work_dir: str | None = None         # exported policy / drafter dirs and vLLM's cache; None = a temp dir
+                                        # (removed by close(); vLLM's cache then stays in ~/.cache/vllm)
     dtype: str = "float32"              # of vLLM's weights and activations: float32 | bfloat16 | float16
     enforce_eager: bool = True          # False: vLLM's torch.compile (CUDA graphs on GPU); slower start
     max_model_len: int | None = None    # None = the policy's max_position_embeddings
@@ -68,9 +70,9 @@ class VLLMEngine:
     def __init__(self, policy: CausalLM, heads: MTPHeads | None = None, *, policy_version: int = 0,
                  head_version: int = 0, config: VLLMEngineConfig = VLLMEngineConfig()):
         self.config = config
-        self._work = Path(config.work_dir) if config.work_dir else Path(tempfile.mkdtemp(prefix="mtp-rollout-vllm-"))
-        self._work.mkdir(parents=True, exist_ok=True)
-        configure_env(config.cpu_kv_cache_gib, self._work)
+        self._owns_work = config.work_dir is None          # a temp dir, made at start, removed by close()
+        self._work = None if self._owns_work else Path(config.work_dir)
+        configure_env(config.cpu_kv_cache_gib, None if self._owns_work else self._work / "vllm_cache")
         self._vllm = require_vllm()
         from rollout.vllm.drafter import register
         register()
@@ -114,6 +116,9 @@ class VLLMEngine:
             self.close()
         from rollout.vllm.export import export_drafter_dir, export_policy_dir
 
+        if self._owns_work:
+            self._work = Path(tempfile.mkdtemp(prefix="mtp-rollout-vllm-"))
+        self._work.mkdir(parents=True, exist_ok=True)
         dtype = getattr(torch, self.config.dtype)
         policy_dir = export_policy_dir(self.policy, self._work / "policy", dtype)
         kwargs = dict(model=str(policy_dir), dtype=self.config.dtype, skip_tokenizer_init=True,
@@ -138,16 +143,19 @@ class VLLMEngine:
         return self._llm
 
     def close(self) -> None:
-        """Shut the vLLM instance down (frees its KV cache); the next generate() starts a new one."""
+        """Shut the vLLM instance down (frees its KV cache, removes an own temp dir); the next
+        generate() starts a new one."""
         llm, self._llm, self._spec_key = self._llm, None, None
-        if llm is None:
-            return
-        try:
-            llm.llm_engine.engine_core.shutdown()
-        except Exception as e:  # already shut down
-            logger.debug("engine core shutdown: %s", e)
-        del llm
-        gc.collect()
+        if llm is not None:
+            try:
+                llm.llm_engine.engine_core.shutdown()
+            except Exception as e:  # already shut down
+                logger.debug("engine core shutdown: %s", e)
+            del llm
+            gc.collect()
+        if self._owns_work and self._work is not None:
+            shutil.rmtree(self._work, ignore_errors=True)
+            self._work = None
 
     # ----------------------------------------------------------------- decoding
     def _vllm_params(self, sp: SamplingParams, i: int):

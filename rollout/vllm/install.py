@@ -38,7 +38,7 @@ def require_vllm():
     return vllm
 
 
-def configure_env(cpu_kv_cache_gib: int, work_dir: Path) -> None:
+def configure_env(cpu_kv_cache_gib: int, cache_root: Path | None) -> None:
     """Environment vLLM reads at start; set before the first vLLM start in this process. vLLM runs
     in this process so that our drafter class and sampling hook live where its worker runs."""
     if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "0") != "0":
@@ -46,4 +46,5 @@ def configure_env(cpu_kv_cache_gib: int, work_dir: Path) -> None:
                        "installed in this process", os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"])
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cpu_kv_cache_gib))
-    os.environ.setdefault("VLLM_CACHE_ROOT", str(work_dir / "vllm_cache"))
+    if cache_root is not None:   # else vLLM's default (~/.cache/vllm)
+        os.environ.setdefault("VLLM_CACHE_ROOT", str(cache_root))

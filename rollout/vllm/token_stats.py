@@ -79,6 +79,8 @@ class _Recorder:
         num_reqs = batch.num_reqs
         md = batch.sampling_metadata
         drafts = [0] * num_reqs if spec is None else list(spec.num_draft_tokens)
+        if num_reqs == 0 or logits is None or logits.shape[0] != num_reqs + sum(drafts):
+            return None                                  # a dummy/padded step: no request emits from it
         rows = torch.tensor([n + 1 for n in drafts], device=logits.device)                # [num_reqs]
 
         def per_row(x):
@@ -116,6 +118,9 @@ def install(worker) -> bool:
     runner = worker.model_runner
     if getattr(runner, _ATTR, None) is not None:
         return False
+    if not all(hasattr(runner, a) for a in ("execute_model_state", "input_batch", "sample_tokens")):
+        raise RuntimeError(f"{type(runner).__name__} is not vLLM's v1 GPUModelRunner layout that the entropy hook "
+                           "reads (execute_model_state, input_batch); unset VLLM_USE_V2_MODEL_RUNNER")
     recorder = _Recorder(runner)
     original = runner.sample_tokens
 

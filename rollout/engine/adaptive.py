@@ -1,0 +1,87 @@
+"""Adaptive k: per round, the number of drafts with the most expected tokens per unit of cost.
+
+With conditional acceptance a_j at draft position j (smoothed over past rounds), a round with k
+drafts emits E(k) = 1 + sum_{j<=k} prod_{i<=j} a_i tokens on average (bonus/recovered included)
+and costs k * c_head + V(k+1) in units of a 1-token target forward (V measured per batch bucket).
+k = 0 (plain decoding, E = 1, cost 1) wins whenever the heads do not pay for themselves, so weak
+or stale heads fall back to plain decoding; every `probe_every`-th round at k = 0 drafts k_max
+anyway so that acceptance keeps being measured and improved heads are noticed.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Measured costs in units of one 1-token target forward at the same batch bucket."""
+
+    head: float                     # one draft step (head forward + draft LM head + sampling)
+    verify: tuple[float, ...]       # verify[n-1] = V(n), the cost of an n-token target forward
+
+    def round_cost(self, k: int) -> float:
+        return k * self.head + self.verify[k]
+
+
+@dataclass(frozen=True)
+class KChoice:
+    """One round's choice, for the monitor: what was chosen and why."""
+
+    round: int
+    k: int
+    reason: str                     # "best": argmax of tokens per cost; "probe": measuring at k = 0
+    expected_tokens: float          # E(k) under the current acceptance estimate
+    cost: float                     # k * c_head + V(k+1)
+    tokens_per_cost: float
+    plain_tokens_per_cost: float    # 1 / V(1) = 1: the k = 0 alternative
+    acceptance: tuple[float, ...]   # smoothed conditional acceptance per draft position
+
+
+class AdaptiveK:
+    """Per-position acceptance estimate + the cost model -> k per round."""
+
+    def __init__(self, k_max: int, costs: CostModel, *, halflife: float = 32.0, probe_every: int = 8,
+                 prior: float = 0.5, prior_weight: float = 2.0):
+        if len(costs.verify) < k_max + 1:
+            raise ValueError(f"the cost model covers V(1..{len(costs.verify)}), k_max={k_max} needs V({k_max + 1})")
+        self.k_max, self.costs, self.probe_every = k_max, costs, probe_every
+        self.decay = 0.5 ** (1.0 / halflife)
+        # pseudo-counts: a prior of `prior` worth `prior_weight` reached rows per position
+        self.accepted = [prior * prior_weight] * k_max
+        self.reached = [prior_weight] * k_max
+        self.rounds = 0
+        self.plain_streak = 0
+
+    def acceptance(self) -> list[float]:
+        return [a / r if r > 0 else 0.0 for a, r in zip(self.accepted, self.reached)]
+
+    def expected_tokens(self, k: int) -> float:
+        e, run = 1.0, 1.0
+        for a in self.acceptance()[:k]:
+            run *= a
+            e += run
+        return e
+
+    def choose(self) -> KChoice:
+        rates = [self.expected_tokens(k) / self.costs.round_cost(k) for k in range(self.k_max + 1)]
+        best = max(range(self.k_max + 1), key=lambda k: (rates[k], -k))
+        reason = "best"
+        if best == 0:
+            self.plain_streak += 1
+            if self.k_max > 0 and self.plain_streak % self.probe_every == 0:
+                best, reason = self.k_max, "probe"
+        else:
+            self.plain_streak = 0
+        choice = KChoice(self.rounds, best, reason, self.expected_tokens(best), self.costs.round_cost(best),
+                         rates[best], rates[0], tuple(round(a, 4) for a in self.acceptance()))
+        self.rounds += 1
+        return choice
+
+    def observe(self, accepted: list[float], reached: list[float]) -> None:
+        """accepted[j] / reached[j]: rows of the last round that accepted / reached draft j."""
+        for j, (a, r) in enumerate(zip(accepted, reached)):
+            if r > 0:
+                self.accepted[j] = self.accepted[j] * self.decay + a
+                self.reached[j] = self.reached[j] * self.decay + r
+        assert all(math.isfinite(x) for x in self.accepted)

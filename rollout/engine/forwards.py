@@ -1,0 +1,104 @@
+"""The model forwards of a decode round, eager or compiled, with compile time kept apart.
+
+What is compiled is one decoder layer (and one MTP depth), called with the layer module and its
+cache tensors as arguments: the 30 layers of a policy and the D head blocks share one graph per
+(batch bucket, width, cache length), so a new shape costs one layer's compile, not the model's.
+Inductor, `dynamic=False`; the engine's buckets fix every shape, so nothing recompiles once seen.
+Weights are graph inputs, so policy and head updates need no recompile. (Inductor `freezing`,
+which turns weights into constants, was tried and rejected: it makes every layer its own graph,
+30x the compile time, and any weight update would need a recompile.) On GPU,
+`mode="reduce-overhead"` replays CUDA graphs over the static caches.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from mtp_heads.heads import MTPDepth, MTPHeads
+from rollout.models.decoder import CausalLM, DecoderLayer, KVCache
+
+AUTO_COMPILE_MIN_PARAMS = 20_000_000
+
+
+def _configure_dynamo() -> None:
+    # (batch bucket x width x length) graphs per function exceed dynamo's default of 8
+    for name in ("recompile_limit", "cache_size_limit", "accumulated_recompile_limit",
+                 "accumulated_cache_size_limit"):
+        if hasattr(torch._dynamo.config, name):
+            setattr(torch._dynamo.config, name, max(getattr(torch._dynamo.config, name), 256))
+
+
+class Forwards:
+    """target(tokens, start, cache) -> hidden and head(j, ...) -> hidden, compiled or eager."""
+
+    def __init__(self, policy: CausalLM, heads: MTPHeads | None, compile: bool | None):
+        self.policy, self.heads = policy, heads
+        self.device = policy.model.embed_tokens.weight.device
+        if compile is None:   # auto: GPUs only until compiling is shown to pay on CPU (experiments/LOG.md)
+            compile = (self.device.type == "cuda"
+                       and sum(p.numel() for p in policy.parameters()) >= AUTO_COMPILE_MIN_PARAMS)
+        self.compiled = bool(compile)
+        self.compile_times: dict[tuple, float] = {}  # (graph, shapes) -> seconds of its first call
+        self._layer, self._depth = _layer_body, _depth_body
+        if self.compiled:
+            _configure_dynamo()
+            mode = "reduce-overhead" if self.device.type == "cuda" else None
+            self._layer = torch.compile(_layer_body, dynamic=False, mode=mode)
+            self._depth = torch.compile(_depth_body, dynamic=False, mode=mode)
+
+    def set_heads(self, heads: MTPHeads | None) -> None:
+        self.heads = heads
+
+    # ------------------------------------------------------------------ calls
+    def target(self, tokens: torch.Tensor, start: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        # tokens [B, T] at positions start[b] .. start[b]+T-1 -> final-norm hidden [B, T, d]
+        model = self.policy.model
+        positions = start[:, None] + torch.arange(tokens.shape[1], device=tokens.device)
+        cos, sin = model.rotary(positions)
+        x = model.embed_tokens(tokens)
+        key = ("layer", tuple(tokens.shape), cache.max_len)
+        for i, layer in enumerate(model.layers):
+            x = self._call(key, self._layer, layer, x, cos, sin, positions, cache.k[i], cache.v[i])
+        return model.norm(x)
+
+    def head(self, j: int, prev: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor,
+             cache: KVCache) -> torch.Tensor:
+        # depth j (0-based); prev [B, T, d]; tokens, positions [B, T] -> [B, T, d]
+        depth = self.heads.depths[j]
+        if not (self.compiled and type(depth) is MTPDepth):   # another drafter: its own forward, eager
+            return self.heads.depth_forward(j, self.policy, prev, tokens, positions, cache)
+        cos, sin = self.policy.model.rotary(positions)
+        embeds = self.policy.model.embed_tokens(tokens)
+        key = ("depth", tuple(tokens.shape), cache.max_len)
+        return self._call(key, self._depth, depth, prev, embeds, cos, sin, positions, cache.k[0], cache.v[0])
+
+    def _call(self, key, fn, *args):
+        if not self.compiled:
+            return fn(*args)
+        if key in self.compile_times:
+            out = fn(*args)
+        else:
+            t0 = time.perf_counter()
+            out = fn(*args)
+            self.compile_times[key] = time.perf_counter() - t0
+        return out.clone() if self.device.type == "cuda" else out  # CUDA graphs reuse their outputs
+
+    @property
+    def compile_time_s(self) -> float:
+        return sum(self.compile_times.values())
+
+
+def _one_layer_cache(k: torch.Tensor, v: torch.Tensor) -> KVCache:
+    cache = KVCache.__new__(KVCache)
+    cache.k, cache.v, cache.max_len = [k], [v], k.shape[1]
+    return cache
+
+
+def _layer_body(layer: DecoderLayer, x, cos, sin, positions, k_cache, v_cache) -> torch.Tensor:
+    # x [B, T, d]; cos, sin [B, 1, T, hd]; positions [B, T]; k_cache, v_cache [B, L, H_kv, hd]
+    return layer(x, (cos, sin), positions, _one_layer_cache(k_cache, v_cache), 0)
+
+
+def _depth_body(depth: MTPDepth, prev, embeds, cos, sin, positions, k_cache, v_cache) -> torch.Tensor:
+    return depth(prev, embeds, positions, (cos, sin), _one_layer_cache(k_cache, v_cache))

@@ -1,0 +1,214 @@
+"""One decode round for every unfinished row at once: draft -> verify -> accept -> commit.
+
+No host synchronisation inside a round: shapes depend only on (bucket, k), sampling is the
+exponential race, and per-row lengths stay on the device. k = 0 is a plain decoding step.
+"""
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from mtp_heads.heads import MTPHeads
+from rollout.engine.config import bucket
+from rollout.engine.forwards import Forwards
+from rollout.engine.state import DecodeState
+from rollout.models.decoder import CausalLM
+from rollout.types import SamplingParams
+from rollout.verify import entropy, process_logits, rejection_sample, sample
+
+PHASES = ("draft", "verify", "accept", "commit")
+
+
+@dataclass
+class PhaseTimes:
+    """Seconds per phase summed over rounds (perf_counter; on GPU each phase is synchronised)."""
+
+    enabled: bool = False
+    seconds: dict[str, float] = field(default_factory=lambda: defaultdict(float))
+    rounds: int = 0
+
+    @contextmanager
+    def phase(self, name: str, device: torch.device):
+        if not self.enabled:
+            yield
+            return
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        yield
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        self.seconds[name] += time.perf_counter() - t0
+
+
+@dataclass
+class RoundContext:
+    """What every round of one generate() call shares."""
+
+    policy: CausalLM
+    heads: MTPHeads | None
+    forwards: Forwards
+    sampling: SamplingParams
+    generator: torch.Generator
+    stop_ids: torch.Tensor            # [S] int64
+    verify_widths: tuple[int, ...]
+    head_width: int                   # positions per head-cache update chunk: max(k_max + 1, D)
+    times: PhaseTimes
+
+
+@dataclass
+class RoundResult:
+    k: int
+    row_ids: torch.Tensor             # [B] prompt index of each slot (-1 = padding)
+    active: torch.Tensor              # [B] bool: rows that were unfinished when the round began
+    num_accepted: torch.Tensor        # [B]
+    num_drafts: torch.Tensor          # [B] drafts considered per row: k, or 0 where q was not finite
+    draft_entropy: torch.Tensor       # [B, k] H(p) at each draft position
+
+
+def run_round(ctx: RoundContext, st: DecodeState, k: int) -> RoundResult:
+    sp, dev = ctx.sampling, st.seq.device
+    B = st.batch
+    rows = torch.arange(B, device=dev)
+    active, c = ~st.finished, st.committed
+    with ctx.times.phase("draft", dev):
+        if k > 0:
+            drafts, draft_probs, nonfinite = draft(ctx, st, k)
+        else:
+            drafts, draft_probs, nonfinite = torch.zeros(B, 0, dtype=torch.long, device=dev), None, None
+    with ctx.times.phase("verify", dev):
+        # the pending token and the k drafts in one target forward at positions c-1 .. c-1+k,
+        # padded to a compiled width (pad tokens land in cache slots that are rewritten before use)
+        width = bucket(k + 1, ctx.verify_widths)
+        pad = torch.zeros(B, width - k - 1, dtype=torch.long, device=dev)
+        tokens = torch.cat([st.seq.gather(1, (c - 1)[:, None]), drafts, pad], dim=1)     # [B, width]
+        hidden = ctx.forwards.target(tokens, c - 1, st.target)[:, :k + 1]                 # [B, k+1, d]
+        positions = (c - 1)[:, None] + torch.arange(k + 1, device=dev)
+        st.hidden[rows[:, None], positions] = hidden
+        logits = ctx.policy.compute_logits(hidden)                                        # [B, k+1, V]
+        target_probs = process_logits(logits, sp.temperature, sp.top_k, sp.top_p)
+    with ctx.times.phase("accept", dev):
+        num_drafts = torch.full((B,), k, dtype=torch.long, device=dev)
+        if nonfinite is not None:
+            num_drafts = torch.where(nonfinite, 0, num_drafts)
+        if sp.draft_mode == "greedy":
+            draft_probs = None
+        output, num_accepted = rejection_sample(drafts, draft_probs, target_probs, ctx.generator,
+                                                num_drafts if k > 0 else None)
+    with ctx.times.phase("commit", dev):
+        ent = entropy(target_probs)                                                       # [B, k+1], once
+        commit(ctx, st, output, num_accepted, logits, ent)
+    ctx.times.rounds += 1
+    for j in range(len(st.head_lag)):  # every row advanced by at most k+1 positions
+        st.head_lag[j] += k + 1
+    return RoundResult(k, st.row_ids, active, num_accepted, num_drafts, ent[:, :k])
+
+
+# --------------------------------------------------------------------------------- draft
+def draft(ctx: RoundContext, st: DecodeState, k: int):
+    """k draft tokens per row from the heads, also written to seq[c .. c+k-1].
+
+    -> drafts [B, k] int64, q [B, k, V], nonfinite [B] bool (q had NaN/inf somewhere)."""
+    heads, fwd = ctx.heads, ctx.forwards
+    D = heads.num_depths
+    c = st.committed
+    rows = torch.arange(st.batch, device=c.device)
+    tokens, probs, bad = [], [], torch.zeros_like(st.finished)
+    prev_buffer = st.hidden
+    for j in range(1, min(k, D) + 1):
+        update_head_cache(ctx, st, j, prev_buffer)
+        token, q, nonfinite = draft_token(ctx, st.head_hidden[j - 1][rows, c - 2])      # depth j at c-2
+        st.seq[rows, c - 1 + j] = token
+        tokens.append(token), probs.append(q)
+        bad |= nonfinite
+        prev_buffer = st.head_hidden[j - 1]
+    for m in range(D + 1, k + 1):
+        # past the last depth: reuse depth D one position further on (scratch cache entries)
+        pos = (c - 2 + m - D)[:, None]
+        out = fwd.head(D - 1, st.head_hidden[D - 1][rows[:, None], pos - 1], st.seq[rows[:, None], pos + D], pos,
+                       st.heads[D - 1])
+        st.head_hidden[D - 1][rows[:, None], pos] = out
+        token, q, nonfinite = draft_token(ctx, out[:, 0])
+        st.seq[rows, c - 1 + m] = token
+        tokens.append(token), probs.append(q)
+        bad |= nonfinite
+    return torch.stack(tokens, 1), torch.stack(probs, 1), bad
+
+
+def update_head_cache(ctx: RoundContext, st: DecodeState, j: int, prev_buffer: torch.Tensor) -> None:
+    """Recompute depth j (1-based) at its stale positions start .. c-2, in fixed-width chunks.
+
+    The stale window is max(advance since the depth's last update, j) wide; `head_lag` bounds it
+    on the host, so the number of chunks is known without reading lengths back from the device.
+    Chunk positions past c-2 write scratch entries that are rewritten before anything reads them."""
+    c, W, L, D = st.committed, ctx.head_width, st.max_len, ctx.heads.num_depths
+    rows = torch.arange(st.batch, device=c.device)[:, None]
+    start = torch.minimum(st.head_len[j - 1], (c - 1 - j).clamp_min(0))
+    chunks = -(-max(st.head_lag[j - 1], j) // W)
+    for i in range(chunks):
+        pos = (start[:, None] + i * W + torch.arange(W, device=c.device)).clamp_max(L - 1 - D)  # [B, W]
+        out = ctx.forwards.head(j - 1, prev_buffer[rows, pos], st.seq[rows, pos + j], pos, st.heads[j - 1])
+        st.head_hidden[j - 1][rows, pos] = out
+    st.head_len[j - 1] = c - 1
+    st.head_lag[j - 1] = 0
+
+
+def fill_head_caches(heads: MTPHeads, policy: CausalLM, st: DecodeState) -> None:
+    """After prefill: depth j's cache over the committed tokens, positions 0 .. c-1-j (eager,
+    once per call); leaves head_len = c-j and a lag bound of j-1 for the first round."""
+    c = st.committed
+    rows = torch.arange(st.batch, device=c.device)[:, None]
+    prev_buffer = st.hidden
+    for j in range(1, heads.num_depths + 1):
+        width = int((c - j).clamp_min(1).max())
+        pos = torch.arange(width, device=c.device).expand(st.batch, width)
+        out = heads.depth_forward(j - 1, policy, prev_buffer[rows, pos], st.seq[rows, pos + j], pos, st.heads[j - 1])
+        st.head_hidden[j - 1][rows, pos] = out
+        st.head_len[j - 1] = (c - j).clamp_min(0)
+        prev_buffer = st.head_hidden[j - 1]
+    st.head_lag = [j - 1 for j in range(1, heads.num_depths + 1)]
+
+
+def draft_token(ctx: RoundContext, head_hidden: torch.Tensor):
+    # head_hidden [B, d] -> token [B], q [B, V] (processed like p), nonfinite [B] bool
+    sp = ctx.sampling
+    logits = ctx.heads.draft_logits(ctx.policy, head_hidden)
+    nonfinite = (logits.isnan() | (logits == float("inf"))).any(-1)   # -inf is a token outside the draft vocab
+    q = process_logits(logits, sp.temperature, sp.top_k, sp.top_p)
+    token = q.argmax(-1) if sp.draft_mode == "greedy" else sample(q, ctx.generator)
+    return token, q, nonfinite
+
+
+# --------------------------------------------------------------------------------- commit
+def commit(ctx: RoundContext, st: DecodeState, output, num_accepted, logits, ent) -> None:
+    """Append each active row's n+1 emitted tokens, cut at a stop token or max_new_tokens.
+
+    output [B, k+1] (-1 after the last); num_accepted [B]; logits [B, k+1, V]; ent [B, k+1]."""
+    sp = ctx.sampling
+    B, width = output.shape
+    dev = output.device
+    c = st.committed
+    idx = torch.arange(width, device=dev)[None]                                        # [1, k+1]
+    emitted = idx <= num_accepted[:, None]                                              # [B, k+1]
+    is_stop = torch.isin(output, ctx.stop_ids) & emitted
+    first_stop = torch.where(is_stop, idx, width).min(1).values                         # [B]
+    room = sp.max_new_tokens - (c - st.prompt_len)
+    count = torch.minimum(torch.minimum(num_accepted + 1, first_stop + 1), room)
+    count = torch.where(st.finished, 0, count)                                          # [B]
+    keep = idx < count[:, None]
+    pos = (c[:, None] + idx).clamp_max(st.max_len - 1)
+    rows = torch.arange(B, device=dev)[:, None]
+    tokens = output.clamp_min(0)
+    st.seq[rows, pos] = torch.where(keep, tokens, st.seq[rows, pos])
+    logp = F.log_softmax(logits.float(), -1).gather(-1, tokens[..., None]).squeeze(-1)
+    st.logprob[rows, pos] = torch.where(keep, logp, st.logprob[rows, pos])
+    st.token_entropy[rows, pos] = torch.where(keep, ent, st.token_entropy[rows, pos])
+    st.committed = c + count
+    hit_stop = first_stop < count
+    st.stopped |= hit_stop & ~st.finished
+    st.finished |= hit_stop | (st.committed - st.prompt_len >= sp.max_new_tokens)

@@ -1,0 +1,85 @@
+"""Per-call decoding state: tokens, lengths, hidden states and caches of the rows still running.
+
+Rows live in a batch bucket (rollout.engine.config); `row_ids` maps each slot to its prompt
+(-1 for padding). When the unfinished rows fit a smaller bucket, `compact` gathers them there
+and hands the finished ones to `Results`, so that finished rows cost nothing.
+
+Invariants per row b, with c[b] = committed tokens (prompt + emitted):
+  * seq[b, :c]   holds them; seq[b, c-1] (the pending token) is not yet in the target cache;
+  * the target cache holds positions 0 .. c-2 and hidden[b, i] is the policy's state there;
+  * head depth j's cache holds valid entries for positions < head_len[j][b].
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+
+import torch
+
+from rollout.models.decoder import KVCache
+
+
+@dataclass
+class DecodeState:
+    seq: torch.Tensor            # [B, L] int64 tokens (beyond c: drafts or scratch)
+    committed: torch.Tensor      # [B] c
+    prompt_len: torch.Tensor     # [B]
+    hidden: torch.Tensor         # [B, L, d] policy final-norm states
+    logprob: torch.Tensor        # [B, L] log p(raw) of each emitted token at its position
+    token_entropy: torch.Tensor  # [B, L] H(processed p) each emitted token came from
+    finished: torch.Tensor       # [B] bool (padding rows start finished)
+    stopped: torch.Tensor        # [B] bool, finished on a stop token
+    row_ids: torch.Tensor        # [B] int64 prompt index of each slot, -1 = padding
+    target: KVCache
+    heads: list[KVCache] = field(default_factory=list)             # one per head depth
+    head_len: list[torch.Tensor] = field(default_factory=list)     # [B] per depth
+    head_hidden: list[torch.Tensor] = field(default_factory=list)  # [B, L, d] per depth
+    # host-side bound on how many positions each depth's cache lags behind (see round.update_heads)
+    head_lag: list[int] = field(default_factory=list)
+
+    @property
+    def batch(self) -> int:
+        return self.seq.shape[0]
+
+    @property
+    def max_len(self) -> int:
+        return self.seq.shape[1]
+
+
+_ROW_TENSORS = ("seq", "committed", "prompt_len", "hidden", "logprob", "token_entropy", "finished", "stopped",
+                "row_ids")
+
+
+def gather_rows(state: DecodeState, idx: torch.Tensor, target: KVCache, heads: list[KVCache]) -> DecodeState:
+    """A state of len(idx) rows: state's rows idx, caches copied into `target` / `heads` (no new
+    allocation when those are the engine's preallocated caches of the smaller bucket)."""
+    for new, old in zip([target, *heads], [state.target, *state.heads]):
+        for dst, src in zip(new.tensors(), old.tensors()):
+            dst.copy_(src[idx])
+    rows = {f.name: getattr(state, f.name)[idx] for f in fields(state) if f.name in _ROW_TENSORS}
+    return DecodeState(**rows, target=target, heads=heads, head_len=[h[idx] for h in state.head_len],
+                       head_hidden=[h[idx] for h in state.head_hidden], head_lag=list(state.head_lag))
+
+
+class Results:
+    """The rows' final tensors in prompt order, filled as rows leave the batch."""
+
+    def __init__(self, num_rows: int, max_len: int, hidden_size: int, keep_hidden: bool,
+                 dtype: torch.dtype, device: torch.device):
+        z = lambda *s, dt=torch.float32: torch.zeros(*s, dtype=dt, device=device)  # noqa: E731
+        self.seq = z(num_rows, max_len, dt=torch.long)
+        self.committed = z(num_rows, dt=torch.long)
+        self.prompt_len = z(num_rows, dt=torch.long)
+        self.logprob = z(num_rows, max_len)
+        self.token_entropy = z(num_rows, max_len)
+        self.stopped = z(num_rows, dt=torch.bool)
+        self.hidden = z(num_rows, max_len, hidden_size, dt=dtype) if keep_hidden else None
+
+    def save(self, state: DecodeState, slots: torch.Tensor | None = None) -> None:
+        """Copy slots (default: all real rows) of `state` to their prompt's row."""
+        if slots is None:
+            slots = (state.row_ids >= 0).nonzero().squeeze(1)
+        rows = state.row_ids[slots]
+        for name in ("seq", "committed", "prompt_len", "logprob", "token_entropy", "stopped"):
+            getattr(self, name)[rows] = getattr(state, name)[slots]
+        if self.hidden is not None:
+            self.hidden[rows] = state.hidden[slots]

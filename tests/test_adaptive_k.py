@@ -1,0 +1,90 @@
+"""Adaptive k: weak heads fall back to plain decoding, good ones draft, and outputs stay lossless."""
+import pytest
+import torch
+
+from rollout.engine.adaptive import AdaptiveK, CostModel
+from rollout.engine.config import EngineConfig
+from rollout.models.decoder import random_model
+from rollout.torch_engine import TorchEngine
+from rollout.types import SamplingParams
+from tests.conftest import random_heads, tiny_config
+from tests.test_torch_engine import PROMPTS, _chi2_pvalue, _continuation_counts
+
+COSTS = CostModel(head=0.1, verify=(1.0, 1.05, 1.1, 1.15))   # a compiled-CPU-like cost curve
+
+
+def test_choice_maximises_expected_tokens_per_cost():
+    ak = AdaptiveK(3, COSTS, prior=0.5)
+    first = ak.choose()
+    # prior acceptance 0.5: E(2) / cost = 1.75 / 1.3 beats k = 3 (1.875 / 1.45) and plain (1.0)
+    assert first.k == 2 and first.reason == "best" and first.tokens_per_cost > first.plain_tokens_per_cost
+    for _ in range(3):
+        ak.observe([0, 0, 0], [8, 0, 0])          # 8 rows reached position 0, none accepted
+    ks = [ak.choose() for _ in range(24)]
+    assert [c.k for c in ks if c.reason == "best"] == [0] * sum(c.reason == "best" for c in ks)
+    assert [c.round for c in ks if c.reason == "probe"] == [c.round for c in ks][7::8]   # every 8th round
+    good = AdaptiveK(3, COSTS)
+    for _ in range(10):
+        good.observe([8, 8, 8], [8, 8, 8])
+    assert good.choose().k == 3
+    mid = AdaptiveK(3, CostModel(head=0.3, verify=(1.0, 1.05, 1.1, 1.15)))
+    for _ in range(20):
+        mid.observe([4, 1, 0], [8, 4, 1])           # a = 0.5, 0.25, 0
+    assert mid.choose().k == 1                      # E(1)/cost = 1.5/1.35 beats k = 2, 3 and plain
+
+
+def _weak_heads(policy):
+    """Untrained heads drafting from a one-token draft vocabulary: acceptance ~ p(that token)."""
+    heads = random_heads(policy, 2, seed=1)
+    heads.set_draft_vocab(torch.tensor([17]))
+    return heads
+
+
+def test_untrained_heads_settle_at_plain_decoding_apart_from_probes(tiny_policy):
+    engine = TorchEngine(tiny_policy, _weak_heads(tiny_policy), config=EngineConfig(adaptive_k=True, probe_every=8))
+    engine.costs[4] = COSTS
+    out = engine.generate(PROMPTS, SamplingParams(max_new_tokens=40, temperature=1.0, ignore_eos=True,
+                                                  num_draft_tokens=3, seed=0))
+    ks = [(c.k, c.reason) for c in out.k_choices]
+    assert ks[0][0] > 0 and ks[0][1] == "best"       # optimistic prior: drafts at first
+    settled = next(i for i, (k, _) in enumerate(ks) if k == 0)
+    assert settled <= 3
+    after = ks[settled:]
+    assert all(k == 0 for k, why in after if why == "best")
+    probes = [i for i, (_, why) in enumerate(after) if why == "probe"]
+    assert probes and all(k == 3 for k, why in after if why == "probe")
+    assert len(after) > 3 * len(probes)
+    comp = out.completions[0]
+    assert len(comp.round_accepted) == len(comp.round_draft_tokens) == len(comp.draft_entropies)
+    assert all(len(e) == k for e, k in zip(comp.draft_entropies, comp.round_draft_tokens))
+
+
+def test_adaptive_k_is_lossless_at_temperature_zero_while_k_changes(tiny_policy, tiny_heads):
+    engine = TorchEngine(tiny_policy, tiny_heads, config=EngineConfig(adaptive_k=True, probe_every=2))
+    engine.costs[4] = CostModel(head=0.5, verify=(1.0, 1.3, 1.6, 1.9))   # drafting rarely pays: k moves
+    greedy = SamplingParams(max_new_tokens=30, temperature=0, ignore_eos=True)
+    plain = engine.generate(PROMPTS, greedy)
+    out = engine.generate(PROMPTS, SamplingParams(max_new_tokens=30, temperature=0, ignore_eos=True,
+                                                  num_draft_tokens=3))
+    assert len({c.k for c in out.k_choices}) > 1
+    assert [c.tokens for c in plain.completions] == [c.tokens for c in out.completions]
+
+
+def test_adaptive_k_is_lossless_at_temperature_one():
+    cfg = tiny_config(vocab_size=5)
+    policy = random_model(cfg, seed=3)
+    engine = TorchEngine(policy, random_heads(policy, 1, seed=5), config=EngineConfig(adaptive_k=True, probe_every=2))
+    n = 4000
+    engine.costs[4096] = CostModel(head=0.5, verify=(1.0, 1.3, 1.6))
+    plain = _continuation_counts(engine, SamplingParams(max_new_tokens=4, temperature=1.0, ignore_eos=True, seed=1), n)
+    sp = SamplingParams(max_new_tokens=4, temperature=1.0, ignore_eos=True, seed=2, num_draft_tokens=2)
+    out = engine.generate([[4, 2]] * n, sp)
+    assert len({c.k for c in out.k_choices}) > 1
+    assert _chi2_pvalue(plain, [tuple(c.tokens) for c in out.completions]) > 1e-3
+
+
+def test_cost_model_is_measured_when_none_is_given(tiny_policy, tiny_heads):
+    engine = TorchEngine(tiny_policy, tiny_heads, config=EngineConfig(adaptive_k=True))
+    engine.generate(PROMPTS[:1], SamplingParams(max_new_tokens=8, num_draft_tokens=2, seed=0))
+    costs = engine.costs[1]
+    assert costs.verify[0] == pytest.approx(1.0) and len(costs.verify) == 3 and costs.head > 0
