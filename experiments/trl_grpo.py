@@ -112,9 +112,9 @@ def make_heads(cfg: TRLRunConfig, policy: CausalLM, loaded: LoadedModel) -> MTPH
         return init_heads(policy, acc.num_depths, seed=cfg.seed)
     if cfg.heads == "path":
         return None                                       # the accelerator loads accelerator.heads_path
-    from mtp_heads.pretrain import PretrainPlan, TrainConfig, load_or_train_default_heads
-    plan = PretrainPlan(model=acc.model, train=TrainConfig(num_depths=acc.num_depths, loss=acc.cotrainer.loss))
-    return load_or_train_default_heads(policy, loaded, model_spec=acc.model, plan=plan)[0]
+    from experiments.pretrain_heads import load_or_train_default_heads   # shipped heads first, else trained once
+    return load_or_train_default_heads(policy, loaded, model_spec=acc.model,
+                                       overrides=(f"train.num_depths={acc.num_depths}",))[0]
 
 
 def freeze_all_but_last(model: torch.nn.Module, n_layers: int) -> list[str]:

@@ -34,45 +34,46 @@ def _greedy_sequence(policy, prompt, n):
     return list(prompt) + out.completions[0].tokens
 
 
-class _ForcedDrafts(TorchEngine):
-    """An engine whose drafts are the given sequence's tokens; records q and the head state of each draft."""
+def _force_drafts(monkeypatch, sequence):
+    """Make the engine's drafts the sequence's tokens (rollout.engine.round.draft / draft_token);
+    returns the list that collects (position drafted, head state [d], q [V]) per draft."""
+    import rollout.engine.round as rnd
+    seq, seen, where = torch.tensor(sequence), [], {}
+    real_draft, real_token = rnd.draft, rnd.draft_token
 
-    def __init__(self, policy, heads, sequence):
-        super().__init__(policy, heads)
-        self.sequence = torch.tensor(sequence)
-        self.seen = []                      # (position of the drafted token, head state [d], q [V])
-        self._state = None
+    def draft(ctx, st, k):
+        where["c"], where["step"] = int(st.committed[0]), 0
+        return real_draft(ctx, st, k)
 
-    def _draft(self, state, caches, sp, gen):
-        self._state = state
-        self._step = 0
-        return super()._draft(state, caches, sp, gen)
+    def draft_token(ctx, head_hidden):
+        token, q, bad = real_token(ctx, head_hidden)
+        pos = where["c"] + where["step"]                    # draft j of a round fills position c-1+j
+        where["step"] += 1
+        seen.append((pos, head_hidden[0].clone(), q[0].clone()))
+        return seq[pos].view(1), q, bad
 
-    def _draft_token(self, head_hidden, sp, gen):
-        token, q = super()._draft_token(head_hidden, sp, gen)
-        pos = int(self._state.committed[0]) + self._step        # the position this draft fills
-        self._step += 1
-        self.seen.append((pos, head_hidden[0].clone(), q[0].clone()))
-        return self.sequence[pos].view(1), q
+    monkeypatch.setattr(rnd, "draft", draft)
+    monkeypatch.setattr(rnd, "draft_token", draft_token)
+    return seen
 
 
 @pytest.mark.parametrize("num_depths,k", [(1, 3), (1, 4), (2, 4), (3, 3)])
-def test_training_time_test_unroll_equals_engine_drafting(policy, num_depths, k):
+def test_training_time_test_unroll_equals_engine_drafting(policy, num_depths, k, monkeypatch):
     heads = _randomised(init_heads(policy, num_depths, seed=0), seed=num_depths)
     seq = _greedy_sequence(policy, [5, 9, 2, 7], 24)
-    engine = _ForcedDrafts(policy, heads, seq)
-    out = engine.generate([seq[:4]], SamplingParams(max_new_tokens=20, temperature=0.0, num_draft_tokens=k,
-                                                   ignore_eos=True, seed=0))
+    seen = _force_drafts(monkeypatch, seq)
+    out = TorchEngine(policy, heads).generate([seq[:4]], SamplingParams(
+        max_new_tokens=20, temperature=0.0, num_draft_tokens=k, ignore_eos=True, seed=0))
     assert out.completions[0].tokens == seq[4:24]          # forced drafts = the greedy text: all accepted
-    assert len(engine.seen) >= 3 * k
+    assert len(seen) >= 3 * k
     tokens = torch.tensor([seq])
     with torch.no_grad():
         outs = unroll(heads, policy, policy.hidden_states(tokens), tokens, k)
-    for i, (pos, head_state, q) in enumerate(engine.seen):
+    for i, (pos, head_state, q) in enumerate(seen):
         s = i % k + 1                                       # draft step within its round
         t = pos - s - 1                                     # chain start: step s at t drafts x_{t+s+1}
         torch.testing.assert_close(outs[s - 1][0, t], head_state, rtol=1e-5, atol=1e-5)
-        mine = torch.softmax(heads.draft_logits(policy, outs[s - 1][0, t:t + 1]) / 1.0, -1)[0]
+        mine = torch.softmax(heads.draft_logits(policy, outs[s - 1][0, t:t + 1]), -1)[0]
         assert int(mine.argmax()) == int(q.argmax())
 
 

@@ -273,3 +273,18 @@ def test_train_heads_cli_help_lists_every_key(capsys):
     assert cfg.train.phases == [Phase("tv", 7)] and cfg.train.seed == 3 and cfg.train.num_depths == 1
     with pytest.raises(ValueError, match="objectiv"):
         load_train_heads_config(["train_heads", "train.phases=[{objectiv: tv}]"])
+
+
+def test_the_shipped_smollm2_heads_are_in_the_package():
+    """The file the main job, generate and the benchmarks load: one recurrent depth, bf16, <= 32 MB,
+    a draft vocabulary and a model card beside it."""
+    from safetensors import safe_open
+    from mtp_heads.shipped import shipped_heads_path
+    path = shipped_heads_path("smollm2-135m")
+    assert path is not None and path.stat().st_size <= 32 * 2**20
+    meta = read_meta(path)
+    assert (meta.num_depths, meta.hidden_size, meta.vocab_size) == (1, 576, 49152) and meta.draft_vocab_size > 0
+    with safe_open(str(path), framework="pt") as f:
+        dtypes = {f.get_tensor(k).dtype for k in f.keys() if k != "draft_vocab"}
+    assert dtypes == {torch.bfloat16}
+    assert path.with_suffix(".md").is_file()
