@@ -20,6 +20,7 @@ from rollout.engine.adaptive import AdaptiveK, CostModel, KChoice
 from rollout.engine.config import EngineConfig, bucket
 from rollout.engine.forwards import Forwards
 from rollout.engine import completions as completions_mod
+from rollout.engine.weight_updates import load_heads_update, load_policy_update
 from rollout.engine.round import (PhaseTimes, RoundContext, RoundResult, commit, draft_token, fill_head_caches,
                                   run_round)
 from rollout.engine.state import DecodeState, Results, gather_rows
@@ -60,18 +61,11 @@ class TorchEngine:
         self.adaptive = None
 
     def update_heads(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
-        if self.heads is None:
-            raise ValueError("this engine has no heads to update; construct it with heads first")
-        self.heads.load_state_dict({k: torch.as_tensor(v) for k, v in state_dict.items()})
+        load_heads_update(self.heads, state_dict)
         self.head_version = version
 
     def update_policy(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
-        sd = {k: torch.as_tensor(v) for k, v in state_dict.items()}
-        if self.policy.config.tie_word_embeddings:
-            sd.pop("lm_head.weight", None)
-        _, unexpected = self.policy.load_state_dict(sd, strict=False)  # partial updates are fine
-        if unexpected:
-            raise ValueError(f"policy update has tensors this model does not have: {unexpected[:5]}")
+        load_policy_update(self.policy, state_dict)
         self.policy_version = version
 
     # ----------------------------------------------------------------- decoding

@@ -8,7 +8,7 @@ from rollout.models.decoder import random_model
 from rollout.torch_engine import TorchEngine
 from rollout.types import SamplingParams
 from tests.conftest import random_heads, tiny_config
-from tests.test_torch_engine import PROMPTS, _chi2_pvalue, _continuation_counts
+from tests.lossless import MIXED_PROMPTS as PROMPTS, chi2_pvalue, continuation_counts
 
 COSTS = CostModel(head=0.1, verify=(1.0, 1.05, 1.1, 1.15))   # a compiled-CPU-like cost curve
 
@@ -76,11 +76,11 @@ def test_adaptive_k_is_lossless_at_temperature_one():
     engine = TorchEngine(policy, random_heads(policy, 1, seed=5), config=EngineConfig(adaptive_k=True, probe_every=2))
     n = 4000
     engine.costs[4096] = CostModel(head=0.5, verify=(1.0, 1.3, 1.6))
-    plain = _continuation_counts(engine, SamplingParams(max_new_tokens=4, temperature=1.0, ignore_eos=True, seed=1), n)
+    plain = continuation_counts(engine, SamplingParams(max_new_tokens=4, temperature=1.0, ignore_eos=True, seed=1), n)
     sp = SamplingParams(max_new_tokens=4, temperature=1.0, ignore_eos=True, seed=2, num_draft_tokens=2)
     out = engine.generate([[4, 2]] * n, sp)
     assert len({c.k for c in out.k_choices}) > 1
-    assert _chi2_pvalue(plain, [tuple(c.tokens) for c in out.completions]) > 1e-3
+    assert chi2_pvalue(plain, [tuple(c.tokens) for c in out.completions]) > 1e-3
 
 
 def test_cost_model_is_measured_when_none_is_given(tiny_policy, tiny_heads):

@@ -11,8 +11,7 @@ from rollout.models.decoder import random_model
 from rollout.torch_engine import TorchEngine
 from rollout.types import SamplingParams
 from tests.conftest import random_heads, tiny_config
-from tests.test_torch_engine import _chi2_pvalue, _continuation_counts
-from tests.test_verify import lossy_rejection_sample
+from tests.lossless import chi2_pvalue, continuation_counts, lossy_rejection_sample
 
 N = 2000           # rows of the distribution tests = the one batch bucket
 PROMPTS = [[4, 2], [1, 3, 0, 2, 2, 4], [3], [0, 1, 2]]
@@ -54,12 +53,12 @@ def test_compiled_speculative_equals_compiled_plain_at_temperature_zero(compiled
 
 
 def test_compiled_sequence_distribution_unchanged_and_lossy_control_fails(compiled, monkeypatch):
-    plain = _continuation_counts(compiled, SamplingParams(max_new_tokens=3, temperature=1.0, ignore_eos=True,
+    plain = continuation_counts(compiled, SamplingParams(max_new_tokens=3, temperature=1.0, ignore_eos=True,
                                                           seed=1), N)
     sp = SamplingParams(max_new_tokens=3, temperature=1.0, ignore_eos=True, seed=2, num_draft_tokens=1)
-    assert _chi2_pvalue(plain, _continuation_counts(compiled, sp, N)) > 1e-3
+    assert chi2_pvalue(plain, continuation_counts(compiled, sp, N)) > 1e-3
     monkeypatch.setattr(round_module, "rejection_sample", lossy_rejection_sample)
-    assert _chi2_pvalue(plain, _continuation_counts(compiled, sp, N)) < 1e-6
+    assert chi2_pvalue(plain, continuation_counts(compiled, sp, N)) < 1e-6
 
 
 def test_compile_time_is_reported_apart_and_shapes_are_reused(compiled):

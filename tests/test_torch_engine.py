@@ -3,7 +3,6 @@ from dataclasses import replace
 
 import pytest
 import torch
-from scipy.stats import chi2_contingency
 
 import rollout.engine.round as round_module
 from mtp_heads.heads import MTPHeads
@@ -12,9 +11,9 @@ from rollout.models.decoder import random_model
 from rollout.torch_engine import TorchEngine
 from rollout.types import SamplingParams
 from tests.conftest import random_heads, tiny_config
-from tests.test_verify import lossy_rejection_sample
+from tests.lossless import MIXED_PROMPTS, chi2_pvalue, continuation_counts, lossy_rejection_sample
 
-PROMPTS = [[5, 6, 7], [8, 9, 10, 11, 12, 13, 14, 15, 16], [3], [20, 21, 22, 23, 24]]
+PROMPTS = MIXED_PROMPTS
 
 
 def test_plain_greedy_matches_a_naive_loop(tiny_policy):
@@ -108,18 +107,6 @@ def test_cache_after_rejection_equals_fresh_prefill(tiny_policy):
     assert rejections > 0
 
 
-def _continuation_counts(engine, sp, n_rows):
-    out = engine.generate([[4, 2]] * n_rows, sp)
-    return [tuple(c.tokens) for c in out.completions]
-
-
-def _chi2_pvalue(a, b):
-    cats = sorted(set(a) | set(b))
-    table = [[a.count(x) for x in cats], [b.count(x) for x in cats]]
-    keep = [i for i in range(len(cats)) if table[0][i] + table[1][i] >= 10]
-    return chi2_contingency([[row[i] for i in keep] for row in table]).pvalue
-
-
 @pytest.mark.parametrize("mode", ["rejection", "greedy"])
 def test_sequence_distribution_unchanged_by_drafts(mode, monkeypatch):
     """3-token continuations with drafts vs without: same distribution (chi-square); lossy fails."""
@@ -128,14 +115,14 @@ def test_sequence_distribution_unchanged_by_drafts(mode, monkeypatch):
     engine = TorchEngine(policy, random_heads(policy, 1, seed=5))  # acceptance ~0.5 / ~0.1
     n = 4000
     base = SamplingParams(max_new_tokens=3, temperature=1.0, ignore_eos=True, seed=1)
-    plain = _continuation_counts(engine, base, n)
+    plain = continuation_counts(engine, base, n)
     spec_sp = SamplingParams(max_new_tokens=3, temperature=1.0, ignore_eos=True, seed=2,
                              num_draft_tokens=2, draft_mode=mode)
-    spec = _continuation_counts(engine, spec_sp, n)
-    assert _chi2_pvalue(plain, spec) > 1e-3
+    spec = continuation_counts(engine, spec_sp, n)
+    assert chi2_pvalue(plain, spec) > 1e-3
     monkeypatch.setattr(round_module, "rejection_sample", lossy_rejection_sample)
-    lossy = _continuation_counts(engine, spec_sp, n)
-    assert _chi2_pvalue(plain, lossy) < 1e-6
+    lossy = continuation_counts(engine, spec_sp, n)
+    assert chi2_pvalue(plain, lossy) < 1e-6
 
 
 @pytest.mark.parametrize("bad, message", [
@@ -228,10 +215,10 @@ def test_nonfinite_drafts_fall_back_to_plain_tokens_and_are_counted():
     policy = random_model(cfg, seed=3)
     engine = TorchEngine(policy, _nan_heads(policy))
     n = 4000
-    plain = _continuation_counts(engine, SamplingParams(max_new_tokens=3, temperature=1.0, ignore_eos=True, seed=1), n)
+    plain = continuation_counts(engine, SamplingParams(max_new_tokens=3, temperature=1.0, ignore_eos=True, seed=1), n)
     sp = SamplingParams(max_new_tokens=3, temperature=1.0, ignore_eos=True, seed=2, num_draft_tokens=2)
     out = engine.generate([[4, 2]] * n, sp)
-    assert _chi2_pvalue(plain, [tuple(c.tokens) for c in out.completions]) > 1e-3
+    assert chi2_pvalue(plain, [tuple(c.tokens) for c in out.completions]) > 1e-3
     assert out.nonfinite_draft_rounds >= 2 * n and out.spec_stats().num_nonfinite_rounds == out.nonfinite_draft_rounds
     assert all(c.round_accepted == [] for c in out.completions)   # no drafts were verified
     greedy = SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True)
@@ -265,7 +252,27 @@ def test_bfloat16_speculative_sampling_is_lossless():
     policy = random_model(cfg, seed=3, dtype=torch.bfloat16)
     engine = TorchEngine(policy, random_heads(policy, 1, seed=5))
     n = 4000
-    plain = _continuation_counts(engine, SamplingParams(max_new_tokens=3, temperature=1.0, ignore_eos=True, seed=1), n)
-    spec = _continuation_counts(engine, SamplingParams(max_new_tokens=3, temperature=1.0, ignore_eos=True, seed=2,
+    plain = continuation_counts(engine, SamplingParams(max_new_tokens=3, temperature=1.0, ignore_eos=True, seed=1), n)
+    spec = continuation_counts(engine, SamplingParams(max_new_tokens=3, temperature=1.0, ignore_eos=True, seed=2,
                                                        num_draft_tokens=2), n)
-    assert _chi2_pvalue(plain, spec) > 1e-3
+    assert chi2_pvalue(plain, spec) > 1e-3
+
+
+def test_weight_updates_are_checked_before_anything_changes(tiny_policy, tiny_heads):
+    """A wrong name or shape in a policy or head update names it and leaves the weights as they were."""
+    engine = TorchEngine(tiny_policy, tiny_heads, policy_version=3, head_version=4)
+    policy_before = {k: v.clone() for k, v in tiny_policy.state_dict().items()}
+    norm = tiny_policy.state_dict()["model.norm.weight"]
+    with pytest.raises(ValueError, match=r"unknown \['model.nope'\]"):
+        engine.update_policy({"model.norm.weight": norm + 1, "model.nope": torch.zeros(2)}, 5)
+    with pytest.raises(ValueError, match="wrong shape \\['model.norm.weight'\\]"):
+        engine.update_policy({"model.norm.weight": torch.zeros(norm.numel() + 1)}, 5)
+    assert all(torch.equal(v, policy_before[k]) for k, v in tiny_policy.state_dict().items())
+    name, weight = next((k, v) for k, v in engine.heads.state_dict().items() if v.dim() == 2)
+    with pytest.raises(ValueError, match=f"do not fit this policy.*{name}"):
+        engine.update_heads({name: torch.zeros(weight.shape[0] + 1, weight.shape[1])}, 5)
+    assert (engine.policy_version, engine.head_version) == (3, 4)
+    engine.update_policy({"model.norm.weight": norm * 2}, 5)
+    assert torch.equal(tiny_policy.state_dict()["model.norm.weight"], policy_before["model.norm.weight"] * 2)
+    engine.update_policy({"model.norm.weight": policy_before["model.norm.weight"]}, 6)   # shared fixture: restore
+    assert engine.policy_version == 6

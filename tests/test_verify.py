@@ -4,21 +4,11 @@ import torch
 from scipy.stats import chisquare
 
 from rollout.verify import PLACEHOLDER, process_logits, rejection_sample, sample
+from tests.lossless import lossy_rejection_sample
 
 
 def _random_dist(V: int, gen: torch.Generator, sharpness: float = 2.0) -> torch.Tensor:
     return (torch.randn(V, generator=gen) * sharpness).softmax(-1)
-
-
-def lossy_rejection_sample(draft_tokens, draft_probs, target_probs, generator=None, num_drafts=None):
-    """The classic mistake: after a rejection, resample from p instead of norm(max(0, p - q))."""
-    out, n = rejection_sample(draft_tokens, draft_probs, target_probs, generator, num_drafts)
-    k = draft_tokens.shape[1]
-    rows = torch.arange(out.shape[0])
-    rejected = n < (k if num_drafts is None else num_drafts)
-    from_p = sample(target_probs[rows, n], generator)
-    out[rows, n] = torch.where(rejected, from_p, out[rows, n])
-    return out, n
 
 
 def _first_token_histogram(fn, p, q, trials, gen, greedy=False):

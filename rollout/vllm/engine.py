@@ -38,6 +38,7 @@ from rollout.models.decoder import CausalLM
 from rollout.types import Completion, RolloutBatch, SamplingParams, SpecDecodingStats, validate_request
 from rollout.vllm import token_stats
 from rollout.vllm.cpu_kernels import fix_cpu_expand_kernel
+from rollout.engine.weight_updates import load_heads_update, load_policy_update
 from rollout.vllm.drafter import DRAFT_VOCAB
 from rollout.vllm.install import configure_env, require_vllm
 from rollout.vllm.metrics import spec_counters, stats_delta
@@ -212,19 +213,7 @@ class VLLMEngine:
     # ----------------------------------------------------------------- weights
     def update_heads(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
         """New head weights into the running drafter (vLLM's in-place reload); no restart."""
-        if self.heads is None:
-            raise ValueError("this engine has no heads to update; construct it with heads first")
-        sd = {k: torch.as_tensor(v) for k, v in state_dict.items()}
-        own = self.heads.state_dict()
-        wrong = {k: (tuple(v.shape), tuple(own[k].shape)) for k, v in sd.items()
-                 if k in own and k != DRAFT_VOCAB and v.shape != own[k].shape}
-        if wrong:
-            raise ValueError(f"head weights do not fit this policy (name: given shape, expected): "
-                             f"{dict(list(wrong.items())[:3])}; train or load heads for this policy")
-        try:
-            self.heads.load_state_dict(sd)
-        except RuntimeError as e:
-            raise ValueError(f"head weights do not match these {self.heads.num_depths}-depth heads: {e}") from None
+        load_heads_update(self.heads, state_dict)
         self.head_version = version
         if self._llm is not None and self._spec_key[0] > 0:
             from rollout.vllm.export import drafter_state_dict
@@ -238,16 +227,7 @@ class VLLMEngine:
 
     def update_policy(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
         """New policy weights into vLLM's target (worker.reload_weights, in place) and our torch copy."""
-        sd = {k: torch.as_tensor(v) for k, v in state_dict.items()}
-        if self.policy.config.tie_word_embeddings:
-            sd.pop("lm_head.weight", None)
-        own = self.policy.state_dict()
-        unknown = [k for k in sd if k not in own]
-        wrong = [k for k in sd if k in own and sd[k].shape != own[k].shape]
-        if unknown or wrong:
-            raise ValueError(f"policy weights do not match the {self.policy.config.architecture} config: unknown "
-                             f"{unknown[:5]}, wrong shape {wrong[:5]}")
-        self.policy.load_state_dict(sd, strict=False)
+        sd = load_policy_update(self.policy, state_dict)
         self.policy_version = version
         if self._llm is not None:
             dtype = getattr(torch, self.config.dtype)

@@ -1,0 +1,43 @@
+"""Loading new policy or head weights into an engine's torch modules, checked the same way in
+both engines: a bad name or shape is refused with a message naming it, before anything changes."""
+from __future__ import annotations
+
+import torch
+
+from mtp_heads.heads import MTPHeads
+from rollout.models.decoder import CausalLM
+
+DRAFT_VOCAB = "draft_vocab"   # the heads' draft-vocabulary buffer: its length may change on a refresh
+
+
+def load_policy_update(policy: CausalLM, state_dict: dict) -> dict[str, torch.Tensor]:
+    """Load a full or partial policy state dict in place; returns the tensors that were loaded
+    (a tied LM head is dropped: it is the embedding)."""
+    sd = {k: torch.as_tensor(v) for k, v in state_dict.items()}
+    if policy.config.tie_word_embeddings:
+        sd.pop("lm_head.weight", None)
+    own = policy.state_dict()
+    unknown = [k for k in sd if k not in own]
+    wrong = [k for k in sd if k in own and sd[k].shape != own[k].shape]
+    if unknown or wrong:
+        raise ValueError(f"policy weights do not match the {policy.config.architecture} config: unknown "
+                         f"{unknown[:5]}, wrong shape {wrong[:5]}")
+    policy.load_state_dict(sd, strict=False)   # partial updates are fine
+    return sd
+
+
+def load_heads_update(heads: MTPHeads | None, state_dict: dict) -> None:
+    """Load a head state dict in place (the draft vocabulary may change size)."""
+    if heads is None:
+        raise ValueError("this engine has no heads to update; construct it with heads first")
+    sd = {k: torch.as_tensor(v) for k, v in state_dict.items()}
+    own = heads.state_dict()
+    wrong = {k: (tuple(v.shape), tuple(own[k].shape)) for k, v in sd.items()
+             if k in own and k != DRAFT_VOCAB and v.shape != own[k].shape}
+    if wrong:
+        raise ValueError(f"head weights do not fit this policy (name: given shape, expected): "
+                         f"{dict(list(wrong.items())[:3])}; train or load heads for this policy")
+    try:
+        heads.load_state_dict(sd)
+    except RuntimeError as e:
+        raise ValueError(f"head weights do not match these {heads.num_depths}-depth heads: {e}") from None

@@ -1,0 +1,34 @@
+"""Shared pieces of the losslessness tests: a deliberately lossy verifier (the control every
+distribution test must reject) and a chi-square comparison of sampled continuations."""
+import torch
+from scipy.stats import chi2_contingency
+
+from rollout.verify import rejection_sample, sample
+
+# prompts of different lengths, so rows of one batch sit at different positions
+MIXED_PROMPTS = [[5, 6, 7], [8, 9, 10, 11, 12, 13, 14, 15, 16], [3], [20, 21, 22, 23, 24]]
+
+
+def lossy_rejection_sample(draft_tokens, draft_probs, target_probs, generator=None, num_drafts=None):
+    """The classic mistake: after a rejection, resample from p instead of norm(max(0, p - q))."""
+    out, n = rejection_sample(draft_tokens, draft_probs, target_probs, generator, num_drafts)
+    k = draft_tokens.shape[1]
+    rows = torch.arange(out.shape[0])
+    rejected = n < (k if num_drafts is None else num_drafts)
+    from_p = sample(target_probs[rows, n], generator)
+    out[rows, n] = torch.where(rejected, from_p, out[rows, n])
+    return out, n
+
+
+def continuation_counts(engine, sp, n_rows):
+    """n_rows completions of one short prompt, as hashable token tuples."""
+    out = engine.generate([[4, 2]] * n_rows, sp)
+    return [tuple(c.tokens) for c in out.completions]
+
+
+def chi2_pvalue(a, b):
+    """p-value that two lists of outcomes come from one distribution (categories with >= 10 counts)."""
+    cats = sorted(set(a) | set(b))
+    table = [[a.count(x) for x in cats], [b.count(x) for x in cats]]
+    keep = [i for i in range(len(cats)) if table[0][i] + table[1][i] >= 10]
+    return chi2_contingency([[row[i] for i in keep] for row in table]).pvalue
