@@ -40,9 +40,21 @@ COTRAINER_FILES = (HEADS_NAME, str(Path(HEADS_NAME).with_suffix(".json")), STATE
 FORMAT = 1
 
 
+def _own_storage(obj):
+    """Tensors unpacked from one flat weight buffer (rollout.weights) are views of one byte storage
+    with different dtypes, which torch.save refuses: give each its own storage."""
+    if isinstance(obj, torch.Tensor):
+        return obj.clone()
+    if isinstance(obj, dict):
+        return {k: _own_storage(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_own_storage(v) for v in obj)
+    return obj
+
+
 def _torch_bytes(obj) -> bytes:
     buf = io.BytesIO()
-    torch.save(obj, buf)
+    torch.save(_own_storage(obj), buf)
     return buf.getvalue()
 
 

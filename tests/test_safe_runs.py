@@ -392,3 +392,16 @@ def test_ci_runs_the_readme_quick_start_commands_as_written():
     assert setup.removesuffix(" && mtp-rollout run") in ci
     assert test in ci and ci.index(test) > ci.index(setup.removesuffix(" && mtp-rollout run"))
     assert test == "python -m pytest -q tests"
+
+
+def test_checkpoint_saves_heads_unpacked_from_one_flat_buffer(tmp_path):
+    """Published heads arrive as views of one byte buffer with different dtypes (bf16 weights, int64
+    draft vocabulary); the run checkpoint must save and restore them exactly."""
+    from experiments.run_state import latest_checkpoint, save_checkpoint
+    from rollout.weights import pack, unpack
+
+    heads = unpack(pack({"w": torch.randn(4, 3).to(torch.bfloat16), "draft_vocab": torch.arange(5)}))
+    save_checkpoint(tmp_path, 0, trained={}, previous={}, optimizer={}, heads=heads, head_version=2, cotrainer=None)
+    saved = latest_checkpoint(tmp_path).load("heads.pt")
+    assert saved["head_version"] == 2
+    assert all(torch.equal(saved["heads"][k], v) and saved["heads"][k].dtype == v.dtype for k, v in heads.items())
