@@ -223,6 +223,7 @@ def test_record_step_reports_counts_versions_domains_and_staleness(tmp_path):
     batch.completions[0].domain = "math"
     batch.completions[0].policy_version, batch.completions[1].policy_version = 4, 5
     batch.completions[0].head_version = 2
+    batch.completions[1].nonfinite_draft_rounds = 3      # rounds whose draft q was NaN/inf (engine fallback)
     with AcceptanceMonitor(config(tmp_path)) as mon:
         mon.record_step(10, batch)
         mon.record_event(12, "head_refresh", {"reason": "entropy_rise", "head_version": 3})
@@ -232,6 +233,7 @@ def test_record_step_reports_counts_versions_domains_and_staleness(tmp_path):
     assert rec["acceptance_length"] == pytest.approx(stats.acceptance_length)
     assert rec["cond_acceptance"] == pytest.approx(stats.conditional_acceptance)
     assert rec["num_draft_tokens"] == 21 and rec["num_accepted_tokens"] == 11
+    assert rec["num_nonfinite_rounds"] == 3
     assert rec["policy_version_min"] == 4 and rec["policy_version_max"] == 5
     assert rec["head_version_min"] == 0 and rec["head_version_max"] == 2
     assert rec["head_staleness"] == 2 and rec["tokens_per_s"] == 123.0 and rec["extra"] == {"reward": 0.25}

@@ -33,6 +33,7 @@ def group_stats(completions: Sequence[Completion]) -> tuple[dict[str, Any], Posi
         "num_drafts": stats.num_drafts,
         "num_draft_tokens": stats.num_draft_tokens,
         "num_accepted_tokens": stats.num_accepted_tokens,
+        "num_nonfinite_rounds": stats.num_nonfinite_rounds,   # rounds that fell back to a plain token (bad heads)
         "acceptance_rate": stats.acceptance_rate,
         "acceptance_length": stats.acceptance_length,
         "cond_acceptance": stats.conditional_acceptance,
