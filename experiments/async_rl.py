@@ -43,6 +43,7 @@ from trainers.tasks import Task, TaskSampler, score
 
 logger = logging.getLogger(__name__)
 
+CHECKPOINT_WAIT_S = 30.0   # longest a checkpoint waits for the co-trainer's in-flight work
 DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "async_rl.yaml"
 
 
@@ -287,12 +288,15 @@ def _train(cfg: RunConfig, policy: Policy, heads: MTPHeads | None, run_dir: Path
 def _checkpoint(run_dir: Path, step: int, trainer: GRPOTrainer, previous: dict, accel: RolloutAccelerator,
                 cotrainer_ref) -> None:
     """After step `step`: apply the co-trainer's decision on this step (its state was asked for
-    right after end_step, so it matches), then save everything a resume needs."""
-    accel.flush(timeout=300)
+    right after end_step, so it matches), then save everything a resume needs. A refresh still
+    training after CHECKPOINT_WAIT_S is not waited for: the checkpoint then holds the heads in use
+    and no co-trainer state (a resume restarts the co-trainer from those heads), so the head path
+    never holds up the run for long."""
+    accel.flush(timeout=CHECKPOINT_WAIT_S)
     cotrainer = None
     if cotrainer_ref is not None:
         try:
-            cotrainer = ray.get(cotrainer_ref, timeout=300)
+            cotrainer = ray.get(cotrainer_ref, timeout=CHECKPOINT_WAIT_S)
         except Exception as e:  # noqa: BLE001 - a dead or stuck co-trainer: resume restarts it from the heads
             logger.warning("checkpoint at step %d without the co-trainer's state (%s)", step, e)
     heads, head_version = accel.current_heads()
