@@ -27,7 +27,7 @@ import math
 import torch
 
 from mtp_heads.heads import MTPDepth, MTPHeads
-from rollout.models.decoder import CausalLM, apply_rope
+from rollout.models.decoder import CausalLM
 
 
 def _qkv(depth: MTPDepth, policy: CausalLM, prev: torch.Tensor, tokens: torch.Tensor,
@@ -36,19 +36,9 @@ def _qkv(depth: MTPDepth, policy: CausalLM, prev: torch.Tensor, tokens: torch.Te
     # k, v [B, H, n, hd] (K/V repeated over query groups, as rollout.models.decoder.Attention does)
     x = depth.eh_proj(torch.cat([depth.enorm(policy.model.embed_tokens(tokens)), depth.hnorm(prev)], dim=-1))
     attn = depth.block.self_attn
-    h = depth.block.input_layernorm(x)
-    B, n, _ = h.shape
-    q = attn.q_proj(h).view(B, n, attn.n_heads, attn.hd)
-    k = attn.k_proj(h).view(B, n, attn.n_kv, attn.hd)
-    v = attn.v_proj(h).view(B, n, attn.n_kv, attn.hd)
-    if attn.q_norm is not None:
-        q, k = attn.q_norm(q), attn.k_norm(k)
-    cos, sin = policy.model.rotary(positions)
+    q, k, v = attn.project_qkv(depth.block.input_layernorm(x), policy.model.rotary(positions))
     groups = attn.n_heads // attn.n_kv
-    q = apply_rope(q.transpose(1, 2), cos, sin)
-    k = apply_rope(k.transpose(1, 2), cos, sin).repeat_interleave(groups, dim=1)
-    v = v.transpose(1, 2).repeat_interleave(groups, dim=1)
-    return x, q, k, v
+    return x, q, k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
 
 
 def _finish(depth: MTPDepth, x: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:

@@ -114,9 +114,9 @@ class Attention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], positions: torch.Tensor,
-                cache: KVCache | None, layer: int) -> torch.Tensor:
-        # x [B, T, d]; positions [B, T] absolute positions of the T new tokens
+    def project_qkv(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        """The rotated queries and keys and the values of x; shared with training-time test (mtp_heads.ttt)."""
+        # x [B, T, d] -> q [B, H, T, hd], k [B, H_kv, T, hd] (both rotated), v [B, H_kv, T, hd]
         B, T, _ = x.shape
         q = self.q_proj(x).view(B, T, self.n_heads, self.hd)
         k = self.k_proj(x).view(B, T, self.n_kv, self.hd)
@@ -124,8 +124,14 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         cos, sin = rope
-        q = apply_rope(q.transpose(1, 2), cos, sin)                      # [B, H, T, hd]
-        k = apply_rope(k.transpose(1, 2), cos, sin).transpose(1, 2)      # [B, T, H_kv, hd]
+        return apply_rope(q.transpose(1, 2), cos, sin), apply_rope(k.transpose(1, 2), cos, sin), v.transpose(1, 2)
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], positions: torch.Tensor,
+                cache: KVCache | None, layer: int) -> torch.Tensor:
+        # x [B, T, d]; positions [B, T] absolute positions of the T new tokens
+        B, T, _ = x.shape
+        q, k, v = self.project_qkv(x, rope)                              # q [B, H, T, hd]
+        k, v = k.transpose(1, 2), v.transpose(1, 2)                      # [B, T, H_kv, hd]
         if cache is None:
             keys, values = k, v
             key_pos = positions
