@@ -32,9 +32,9 @@ from rollout.config_loader import config_help, load_config, wants_help, write_re
 from rollout.models.decoder import CausalLM, build_model
 from rollout.models.default_model import cache_dir
 from rollout.models.loaders import LoadedModel, export_hf_dir, load_model
-from rollout.monitor import AcceptanceMonitor, MonitorConfig
+from rollout.monitor import AcceptanceMonitor
 from rollout.types import DRAFT_MODES
-from trainers.cotrainer import CoTrainerConfig
+from trainers.config import run_dir_accelerator
 from trainers.tasks import Task, TaskConfig, TaskSampler, score
 
 logger = logging.getLogger(__name__)
@@ -64,16 +64,11 @@ class TRLTrainConfig:
                              f"{self.max_steps}, {self.prompts_per_step}, {self.num_generations}")
 
 
-def _default_accelerator() -> AcceleratorConfig:
-    return AcceleratorConfig(cotrainer=CoTrainerConfig(checkpoint_dir="${out_dir}/cotrainer"),
-                             monitor=MonitorConfig(out_dir="${out_dir}"))
-
-
 @dataclasses.dataclass(frozen=True)
 class TRLRunConfig:
     """One TRL GRPO run with speculative rollouts from the accelerator."""
 
-    accelerator: AcceleratorConfig = dataclasses.field(default_factory=_default_accelerator)
+    accelerator: AcceleratorConfig = dataclasses.field(default_factory=run_dir_accelerator)
     trl: TRLTrainConfig = dataclasses.field(default_factory=TRLTrainConfig)
     tasks: TaskConfig = dataclasses.field(default_factory=TaskConfig)
     num_draft_tokens: int = 3           # k drafted per round by the MTP heads; 0 = plain decoding

@@ -17,7 +17,6 @@ from rollout.accelerator import AcceleratorConfig
 from rollout.config_loader import keys_table, load_config
 from rollout.fileio import atomic_write
 from rollout.monitor import MonitorConfig
-from rollout.workers import WorkerConfig
 from rollout.types import DRAFT_MODES, SamplingParams
 from trainers.cotrainer import CoTrainerConfig
 from trainers.grpo import GRPOConfig, ScheduleConfig
@@ -48,9 +47,9 @@ class SamplingConfig:
                               draft_mode=self.draft_mode, seed=seed * 100_003 + step)
 
 
-def _default_accelerator() -> AcceleratorConfig:
-    return AcceleratorConfig(workers=WorkerConfig(),
-                             cotrainer=CoTrainerConfig(checkpoint_dir="${out_dir}/cotrainer"),
+def run_dir_accelerator() -> AcceleratorConfig:
+    """The accelerator of a job with a run directory `out_dir`: co-trainer checkpoints and the monitor inside it."""
+    return AcceleratorConfig(cotrainer=CoTrainerConfig(checkpoint_dir="${out_dir}/cotrainer"),
                              monitor=MonitorConfig(out_dir="${out_dir}"))
 
 
@@ -58,7 +57,7 @@ def _default_accelerator() -> AcceleratorConfig:
 class RunConfig:
     """One async RL run: the rollout side, the policy update, the tasks and the loop."""
 
-    accelerator: AcceleratorConfig = dataclasses.field(default_factory=_default_accelerator)
+    accelerator: AcceleratorConfig = dataclasses.field(default_factory=run_dir_accelerator)
     grpo: GRPOConfig = dataclasses.field(default_factory=GRPOConfig)
     tasks: TaskConfig = dataclasses.field(default_factory=TaskConfig)
     sampling: SamplingConfig = dataclasses.field(default_factory=SamplingConfig)
