@@ -63,6 +63,8 @@ class TorchEngine:
     def update_heads(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
         load_heads_update(self.heads, state_dict)
         self.head_version = version
+        if self.adaptive is not None:
+            self.adaptive.heads_changed()
 
     def update_policy(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
         load_policy_update(self.policy, state_dict)
@@ -197,7 +199,8 @@ class TorchEngine:
             self.costs[st.batch] = self.measure_costs(ctx, st, k_max)
         if self.adaptive is None or self.adaptive.k_max != k_max:
             self.adaptive = AdaptiveK(k_max, self.costs[st.batch], halflife=self.config.acceptance_halflife,
-                                      probe_every=self.config.probe_every)
+                                      probe_every=self.config.probe_every,
+                                      max_probe_every=self.config.max_probe_every)
         self.adaptive.costs = self.costs[st.batch]
         return self.adaptive
 

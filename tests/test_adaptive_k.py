@@ -20,9 +20,17 @@ def test_choice_maximises_expected_tokens_per_cost():
     assert first.k == 2 and first.reason == "best" and first.tokens_per_cost > first.plain_tokens_per_cost
     for _ in range(3):
         ak.observe([0, 0, 0], [8, 0, 0])          # 8 rows reached position 0, none accepted
-    ks = [ak.choose() for _ in range(24)]
+    ks = [ak.choose() for _ in range(300)]
     assert [c.k for c in ks if c.reason == "best"] == [0] * sum(c.reason == "best" for c in ks)
-    assert [c.round for c in ks if c.reason == "probe"] == [c.round for c in ks][7::8]   # every 8th round
+    probes = [c.round - ks[0].round for c in ks if c.reason == "probe"]
+    # the 8th round probes, then every 16th, 32nd, 64th and 128th (the cap) round
+    assert probes == [7, 7 + 16, 23 + 32, 55 + 64, 119 + 128]
+    assert all(c.k == 3 for c in ks if c.reason == "probe")
+    ak.heads_changed()                            # new heads: probed again within probe_every rounds
+    assert any(c.reason == "probe" for c in (ak.choose() for _ in range(8)))
+    ak.observe([8, 8, 8], [8, 8, 8])
+    ak.observe([8, 8, 8], [8, 8, 8])
+    assert ak.choose().k > 0 and ak.probe_interval == 8   # drafting pays again: the interval restarts
     good = AdaptiveK(3, COSTS)
     for _ in range(10):
         good.observe([8, 8, 8], [8, 8, 8])

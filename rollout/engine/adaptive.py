@@ -4,8 +4,11 @@ With conditional acceptance a_j at draft position j (smoothed over past rounds),
 drafts emits E(k) = 1 + sum_{j<=k} prod_{i<=j} a_i tokens on average (bonus/recovered included)
 and costs k * c_head + V(k+1) in units of a 1-token target forward (V measured per batch bucket).
 k = 0 (plain decoding, E = 1, cost 1) wins whenever the heads do not pay for themselves, so weak
-or stale heads fall back to plain decoding; every `probe_every`-th round at k = 0 drafts k_max
-anyway so that acceptance keeps being measured and improved heads are noticed.
+or stale heads fall back to plain decoding. While k = 0 wins, a probe round drafts k_max anyway so
+that acceptance keeps being measured and improved heads are noticed: the first after `probe_every`
+plain rounds, then after twice as many each time a probe changes nothing, up to `max_probe_every`
+(a probe with weak heads costs ~2.5 plain rounds for ~1.3 tokens, so fixed probes every 8 rounds
+held weak heads at ~0.88x plain). Drafting paying again, or new heads, restarts the interval.
 """
 from __future__ import annotations
 
@@ -42,10 +45,12 @@ class AdaptiveK:
     """Per-position acceptance estimate + the cost model -> k per round."""
 
     def __init__(self, k_max: int, costs: CostModel, *, halflife: float = 32.0, probe_every: int = 8,
-                 prior: float = 0.5, prior_weight: float = 2.0):
+                 max_probe_every: int = 128, prior: float = 0.5, prior_weight: float = 2.0):
         if len(costs.verify) < k_max + 1:
             raise ValueError(f"the cost model covers V(1..{len(costs.verify)}), k_max={k_max} needs V({k_max + 1})")
         self.k_max, self.costs, self.probe_every = k_max, costs, probe_every
+        self.max_probe_every = max(max_probe_every, probe_every)
+        self.probe_interval = probe_every     # plain rounds before the next probe
         self.decay = 0.5 ** (1.0 / halflife)
         # pseudo-counts: a prior of `prior` worth `prior_weight` reached rows per position
         self.accepted = [prior * prior_weight] * k_max
@@ -69,14 +74,22 @@ class AdaptiveK:
         reason = "best"
         if best == 0:
             self.plain_streak += 1
-            if self.k_max > 0 and self.plain_streak % self.probe_every == 0:
+            if self.k_max > 0 and self.plain_streak >= self.probe_interval:
                 best, reason = self.k_max, "probe"
+                self.plain_streak = 0
+                self.probe_interval = min(2 * self.probe_interval, self.max_probe_every)
         else:
             self.plain_streak = 0
+            self.probe_interval = self.probe_every
         choice = KChoice(self.rounds, best, reason, self.expected_tokens(best), self.costs.round_cost(best),
                          rates[best], rates[0], tuple(round(a, 4) for a in self.acceptance()))
         self.rounds += 1
         return choice
+
+    def heads_changed(self) -> None:
+        """New head weights (a co-trainer refresh): probe them soon instead of after a long backoff."""
+        self.probe_interval = self.probe_every
+        self.plain_streak = min(self.plain_streak, self.probe_every - 1)
 
     def observe(self, accepted: list[float], reached: list[float]) -> None:
         """accepted[j] / reached[j]: rows of the last round that accepted / reached draft j."""

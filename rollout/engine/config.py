@@ -23,7 +23,8 @@ class EngineConfig:
     # adaptive k: num_draft_tokens in SamplingParams becomes the maximum; each round drafts the k
     # in 0..max with the most expected tokens per unit of measured cost (rollout.engine.adaptive).
     adaptive_k: bool = False
-    probe_every: int = 8                # when adaptive k chose 0, every n-th round drafts max k anyway
+    probe_every: int = 8                # when adaptive k chose 0, the n-th plain round drafts max k anyway,
+    max_probe_every: int = 128          # and each probe that changes nothing doubles n up to this
     acceptance_halflife: float = 32.0   # rounds; smoothing of the per-position acceptance estimate
     profile: bool = False               # time draft/verify/accept/commit per round (syncs on GPU)
 
@@ -34,8 +35,9 @@ class EngineConfig:
             raise ValueError(f"length_bucket must be >= 1, got {self.length_bucket}")
         if 1 not in self.verify_widths:
             raise ValueError(f"verify_widths must contain 1 (plain steps), got {self.verify_widths}")
-        if self.probe_every < 1:
-            raise ValueError(f"probe_every must be >= 1, got {self.probe_every}")
+        if not 1 <= self.probe_every <= self.max_probe_every:
+            raise ValueError(f"need 1 <= probe_every <= max_probe_every, got {self.probe_every}, "
+                             f"{self.max_probe_every}")
 
 
 def bucket(n: int, buckets: tuple[int, ...]) -> int:
