@@ -182,15 +182,21 @@ def _dataclass_type(owner: type, f: dataclasses.Field) -> type | None:
     return hint if isinstance(hint, type) and dataclasses.is_dataclass(hint) else None
 
 
+HELP_COLUMN = 60    # `key = default` wider than this gets its meaning on the next line
+
+
 def config_help(cls: type, *, usage: str = "") -> str:
     """Text for `--help`: usage, then one line per key: `key = default  meaning`."""
     keys = config_keys(cls)
-    width = max((len(k.key) + len(k.default) + 3 for k in keys), default=0)
+    sides = [f"{k.key} = {k.default}" for k in keys]
+    width = max((len(s) for s in sides if len(s) <= HELP_COLUMN), default=0)   # long defaults wrap instead
     lines = [usage.rstrip(), ""] if usage else []
     lines += [f"Config keys of {cls.__name__} (override any with key=value; later arguments win):", ""]
-    for k in keys:
-        lhs = f"{k.key} = {k.default}"
-        lines.append(f"  {lhs:<{width}}  {k.help}".rstrip())
+    for k, lhs in zip(keys, sides):
+        if len(lhs) > width:
+            lines += [f"  {lhs}", f"  {'':<{width}}  {k.help}".rstrip()]
+        else:
+            lines.append(f"  {lhs:<{width}}  {k.help}".rstrip())
     return "\n".join(lines) + "\n"
 
 
