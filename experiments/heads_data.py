@@ -86,9 +86,9 @@ class GenerateConfig:
     seed: int = 0                       # sampling seed
 
 
-def chat_prompts(loaded, n: int, *, held_out: bool, task_prompts: Sequence[str] = (),
-                 task_fraction: float = 0.0) -> list[list[int]]:
-    """n prompt token lists through the model's chat template; held_out picks disjoint prompts.
+def prompt_texts(n: int, *, held_out: bool, task_prompts: Sequence[str] = (),
+                 task_fraction: float = 0.0) -> list[str]:
+    """n user messages; held_out picks disjoint ones (cycled when n exceeds them).
 
     Built-in prompts are split 4:1 into train/held-out; `task_prompts` (e.g. the RL tasks' prompts,
     passed in by the caller) fill `task_fraction` of the n, split the same way.
@@ -96,8 +96,14 @@ def chat_prompts(loaded, n: int, *, held_out: bool, task_prompts: Sequence[str] 
     texts = [t for i, t in enumerate(BUILTIN_PROMPTS) if (i % 5 == 0) == held_out]
     tasks = [t for i, t in enumerate(task_prompts) if (i % 5 == 0) == held_out]
     n_tasks = min(int(round(n * task_fraction)), len(tasks))
-    chosen = tasks[:n_tasks] + [texts[i % len(texts)] for i in range(n - n_tasks)]
+    return tasks[:n_tasks] + [texts[i % len(texts)] for i in range(n - n_tasks)]
+
+
+def chat_prompts(loaded, n: int, *, held_out: bool, task_prompts: Sequence[str] = (),
+                 task_fraction: float = 0.0) -> list[list[int]]:
+    """prompt_texts(...) as token lists through the model's chat template."""
     from rollout.models.loaders import apply_chat_template
+    chosen = prompt_texts(n, held_out=held_out, task_prompts=task_prompts, task_fraction=task_fraction)
     return [apply_chat_template(loaded, [{"role": "user", "content": t}]) for t in chosen]
 
 

@@ -16,8 +16,6 @@ and two PNG figures.
 """
 from __future__ import annotations
 
-import csv
-import io
 import json
 import logging
 import math
@@ -31,7 +29,8 @@ from typing import Any
 from rollout.fileio import atomic_write
 from rollout.monitor.plots import plot_acceptance_vs_entropy, plot_over_steps
 from rollout.monitor.positions import EntropyHistogram, binned_slope, per_position_slope
-from rollout.monitor.records import fit_from_dict, flatten_record, json_safe, load_records, repair_jsonl_tail
+from rollout.monitor.records import (fit_from_dict, flatten_record, json_safe, load_records, records_csv,
+                                     repair_jsonl_tail)
 from rollout.monitor.slope import per_step_slope
 from rollout.monitor.step_stats import GroupHistory, batch_versions, by_domain, group_stats
 from rollout.types import Completion, RolloutBatch
@@ -145,13 +144,7 @@ class AcceptanceMonitor:
 
     def summary_csv(self) -> Path:
         """Write <out_dir>/summary.csv: one row per step, flat columns (see flatten_record)."""
-        rows = [flatten_record(r) for r in self._records]
-        cols = list(dict.fromkeys(k for r in rows for k in r))
-        buf = io.StringIO(newline="")
-        w = csv.DictWriter(buf, fieldnames=cols, restval="")
-        w.writeheader()
-        w.writerows(rows)
-        return atomic_write(self.out_dir / self.CSV, buf.getvalue())
+        return atomic_write(self.out_dir / self.CSV, records_csv(self._records))
 
     def plot(self) -> list[Path]:
         """Write acceptance_vs_entropy.png and over_steps.png from the records so far."""

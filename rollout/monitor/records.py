@@ -6,6 +6,8 @@ a complete one missing its newline is ended.
 """
 from __future__ import annotations
 
+import csv
+import io
 import json
 import logging
 import math
@@ -72,6 +74,18 @@ def flatten_record(rec: dict, sep: str = ".") -> dict[str, Any]:
     if "alerts" in rec:
         out["alerts"] = ";".join(a["name"] for a in rec["alerts"])
     return out
+
+
+def records_csv(records: list[dict]) -> str:
+    """CSV text of records: one row per record, the union of their flat columns in first-seen
+    order (a column missing from a record is left empty)."""
+    rows = [flatten_record(r) for r in records]
+    cols = list(dict.fromkeys(k for r in rows for k in r))
+    buf = io.StringIO(newline="")
+    w = csv.DictWriter(buf, fieldnames=cols, restval="")
+    w.writeheader()
+    w.writerows(rows)
+    return buf.getvalue()
 
 
 def repair_jsonl_tail(path: Path) -> None:
