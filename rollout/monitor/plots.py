@@ -1,5 +1,6 @@
 """The monitor's two figures: acceptance vs entropy (per position and per step), and
-acceptance, entropy and tau over RL steps with refreshes and alerts marked.
+acceptance, entropy and tau over RL steps with refreshes and alerts marked; and the entropy
+sweep's figure (acceptance vs mean entropy per temperature, a panel per draft mode).
 
 matplotlib's object API on Agg: no pyplot, no global backend switch, safe in Ray workers
 and threads. PNGs are written atomically so a viewer never shows half a file.
@@ -14,7 +15,7 @@ import numpy as np
 
 from rollout.fileio import atomic_write
 from rollout.monitor.positions import EntropyBins
-from rollout.monitor.records import as_float
+from rollout.monitor.records import as_float, fit_from_dict
 from rollout.monitor.slope import SlopeFit
 
 def _new_figure(rows: int, cols: int, size: tuple[float, float], margins: dict, **kw):
@@ -130,3 +131,36 @@ def plot_over_steps(path: Path, records: list[dict], events: list[dict], *, wind
         ax.legend(fontsize=7, loc="best")
     _save(fig, path)
 
+
+
+def plot_sweep(path: Path, records: list[dict]) -> None:
+    """One panel per draft mode, one line per heads file: acceptance rate against mean entropy at
+    the reached draft positions, one point per temperature (labelled), the cell's slope over
+    temperatures with its 95% interval in the legend."""
+    modes = list(dict.fromkeys(r["draft_mode"] for r in records))
+    heads = list(dict.fromkeys(r["head"] for r in records))
+    fig, axes = _new_figure(1, max(len(modes), 1), (6.2 * max(len(modes), 1), 4.8),
+                            dict(left=0.07, right=0.99, bottom=0.11, top=0.92, wspace=0.12), sharey=True)
+    colors = {h: f"C{i % 10}" for i, h in enumerate(heads)}
+    for ax, mode in zip(axes[0], modes):
+        for head in heads:
+            cell = sorted((r for r in records if r["draft_mode"] == mode and r["head"] == head),
+                          key=lambda r: r["temperature"])
+            if not cell:
+                continue
+            x, y = _column(cell, "entropy_drafted"), _column(cell, "acceptance_rate")
+            fit = fit_from_dict(cell[0].get("slope_temperature"))
+            label = (f"{head}: {fit.slope:+.3f}/nat [{fit.ci_low:+.3f}, {fit.ci_high:+.3f}]"
+                     if math.isfinite(fit.slope) else f"{head}: slope n/a (< 3 temperatures)")
+            ax.plot(x, y, "o-", color=colors[head], label=label)
+            for r, xi, yi in zip(cell, x, y):
+                if math.isfinite(xi) and math.isfinite(yi):
+                    ax.annotate(f"T={r['temperature']:g}", (xi, yi), textcoords="offset points", xytext=(3, 4),
+                                fontsize=6, color=colors[head])
+        ax.set(title=f"{mode} drafting", xlabel="mean entropy H(p) at reached draft positions (nats)",
+               ylabel="acceptance rate (accepted / proposed)", ylim=(0, 1))
+        ax.yaxis.set_tick_params(labelleft=True)
+        ax.grid(alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=7, loc="best", title="heads: slope over temperatures, 95% CI", title_fontsize=7)
+    _save(fig, path)
