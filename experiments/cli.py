@@ -16,6 +16,7 @@ COMMANDS = {
     "generate": ("experiments.generate", "chat with the policy through speculative decoding"),
     "train-heads": ("experiments.pretrain_heads", "pre-train MTP heads by self-distillation"),
     "bench-decode": ("experiments.bench_decode", "speculative vs plain decoding throughput"),
+    "sweep": ("experiments.entropy_sweep", "acceptance vs entropy per draft mode and heads, temperature scanned"),
     "trl-grpo": ("experiments.trl_grpo", "TRL's GRPOTrainer rolling out through the accelerator"),
     "clean-ray": ("rollout.ray_guard", "stop Ray processes left behind by a killed mtp-rollout run"),
 }

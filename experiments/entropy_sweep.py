@@ -1,0 +1,218 @@
+"""`mtp-rollout sweep`: draft acceptance against entropy at a fixed policy and fixed heads, with the
+sampling temperature scanned so that entropy moves: each cell's curve in minutes, without RL.
+
+    mtp-rollout sweep                                          # configs/sweep.yaml: SmolLM2 + its shipped heads
+    mtp-rollout sweep 'heads=[ce=runs/h/ce.safetensors,tv=runs/h/tv.safetensors]' out_dir=runs/sweep/objectives
+    mtp-rollout sweep 'temperatures=[0.5,1.0,1.5]' prompts=8 max_new_tokens=64 'draft_modes=[rejection]'
+    mtp-rollout sweep --help                                   # every key, its default and meaning
+
+Cells are draft_modes x heads files; every cell decodes the same held-out chat prompts at every
+temperature with a fixed k (the measurement is rollout.monitor.sweep). Written into out_dir (which
+must be empty unless overwrite=true): config.yaml, sweep.jsonl (one record per cell and temperature),
+sweep.csv (the same records, flat columns), sweep.md (the tables) and sweep.png (a panel per draft
+mode, a line per heads file). CSV, tables and figure are rewritten after each cell.
+"""
+from __future__ import annotations
+
+import datetime as dt
+import json
+import math
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from experiments.heads_data import prompt_texts
+from mtp_heads.checkpoint import load_heads
+from mtp_heads.shipped import load_shipped_heads, shipped_heads_path
+from rollout.config_loader import config_help, load_config, wants_help, write_resolved
+from rollout.fileio import atomic_write
+from rollout.monitor.plots import plot_sweep
+from rollout.monitor.records import json_safe, records_csv
+from rollout.monitor.sweep import (SweepSettings, add_cell_slopes, check_draft_modes, check_temperatures, decode_at,
+                                   temperature_record)
+from rollout.run_dir import LOCK_NAME, RunLock
+from rollout.torch_engine import TorchEngine
+from trainers.policy import load_rl_policy
+
+DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "sweep.yaml"
+FILES = ("sweep.jsonl", "sweep.csv", "sweep.md", "sweep.png")
+
+
+@dataclass(frozen=True)
+class SweepConfig:
+    """One entropy sweep: cells = draft_modes x heads, each at every temperature."""
+
+    model: str = "smollm2-135m"         # `smollm2-135m`, `tiny-random`, a .gguf file or an HF directory
+    heads: list[str] = field(default_factory=list)   # head checkpoints as name=path (a bare path is named
+                                                     # by its file stem); [] = the heads shipped for `model`
+    draft_modes: list[str] = field(default_factory=lambda: ["greedy", "rejection"])   # greedy and/or rejection
+    temperatures: list[float] = field(default_factory=lambda: [0.3, 0.5, 0.7, 1.0, 1.3, 1.6])   # each > 0
+    prompts: int = 16                   # held-out chat prompts (the 8 built-in held-out messages, cycled)
+    max_new_tokens: int = 96            # tokens per completion at most
+    k: int = 3                          # draft tokens per round (fixed)
+    batch_size: int = 8                 # prompts decoded together
+    seed: int = 0                       # sampling seed: batch b uses seed + b at every temperature and cell
+    n_bins: int = 10                    # quantile entropy bins of the per-position slopes
+    n_boot: int = 1000                  # bootstrap resamples per slope interval
+    threads: int = 0                    # torch threads (0 = leave as is)
+    out_dir: str = "runs/sweep/${now:%Y%m%d-%H%M%S}"   # where the files go; must be empty
+    overwrite: bool = False             # allow a non-empty out_dir (its sweep files are replaced)
+    progress: bool = True               # a tqdm bar with tokens/s and acceptance
+
+    def __post_init__(self) -> None:
+        check_temperatures(self.temperatures)
+        check_draft_modes(self.draft_modes)
+        self.settings()
+        parse_heads(self.heads)
+        if self.prompts < 1:
+            raise ValueError(f"prompts must be >= 1, got {self.prompts}")
+        if self.threads < 0:
+            raise ValueError(f"threads must be >= 0 (0 = leave as is), got {self.threads}")
+
+    def settings(self) -> SweepSettings:
+        return SweepSettings(k=self.k, max_new_tokens=self.max_new_tokens, batch_size=self.batch_size,
+                             seed=self.seed, n_bins=self.n_bins, n_boot=self.n_boot)
+
+
+def parse_heads(entries: list[str]) -> dict[str, Path]:
+    """name=path entries -> {name: path}; ValueError naming `heads` for a missing file or a name used twice."""
+    out: dict[str, Path] = {}
+    for entry in entries:
+        name, sep, path = str(entry).partition("=")
+        name, path = (name.strip(), path.strip()) if sep else (Path(entry).stem, str(entry))
+        if not name or not path:
+            raise ValueError(f"heads: entry {entry!r} must be name=path (or a path)")
+        if not Path(path).expanduser().is_file():
+            raise ValueError(f"heads: no head checkpoint at {path} (entry {entry!r}); give name=path of a file "
+                             "written by `mtp-rollout train-heads`")
+        if name in out:
+            raise ValueError(f"heads: the name {name!r} is used twice ({entries}); names label the figure's lines")
+        out[name] = Path(path).expanduser()
+    return out
+
+
+def load_head_files(policy, cfg: SweepConfig) -> dict[str, tuple]:
+    """{name: (heads, meta, path)} for cfg.heads, or the heads shipped for cfg.model."""
+    files = parse_heads(cfg.heads)
+    if files:
+        return {name: (*load_heads(path, policy), str(path)) for name, path in files.items()}
+    shipped = load_shipped_heads(policy, cfg.model)
+    if shipped is None:
+        raise ValueError(f"heads: no heads are shipped for model {cfg.model!r}; pass heads=[name=path,...]")
+    return {"shipped": (*shipped, str(shipped_heads_path(cfg.model)))}
+
+
+def check_out_dir(out: Path, overwrite: bool) -> None:
+    held = sorted(p.name for p in out.iterdir() if p.name != LOCK_NAME)
+    if held and not overwrite:
+        raise ValueError(f"out_dir {out} is not empty (holds {', '.join(held[:5])}{' ...' if len(held) > 5 else ''}); "
+                         "pass overwrite=true to replace its sweep files, or another out_dir=...")
+
+
+def _fmt(x, spec: str = ".3f") -> str:
+    return "-" if x is None or (isinstance(x, float) and not math.isfinite(x)) else format(x, spec)
+
+
+def _fit(d: dict | None) -> str:
+    if not d or d.get("slope") is None:
+        return "-"
+    return f"{d['slope']:+.3f} [{_fmt(d.get('ci_low'), '+.3f')}, {_fmt(d.get('ci_high'), '+.3f')}]"
+
+
+def tables(records: list[dict], cfg: SweepConfig) -> str:
+    """sweep.md: one row per cell and temperature, then one row per cell with its slopes."""
+    lines = [f"# Entropy sweep ({dt.date.today().isoformat()})", "",
+             f"model `{cfg.model}`, k = {cfg.k}, {cfg.prompts} held-out prompts x {cfg.max_new_tokens} new tokens, "
+             f"seed {cfg.seed}", "",
+             "| heads | mode | T | mean entropy (nats) | acceptance rate | cond. acceptance per position | tau "
+             "| per-position slope at T [95% CI] | rounds | tok/s |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in records:
+        cond = " / ".join(_fmt(a) for a in r["cond_acceptance"])
+        lines.append(f"| {r['head']} | {r['draft_mode']} | {r['temperature']:g} | {_fmt(r['entropy_drafted'])} "
+                     f"| {_fmt(r['acceptance_rate'])} | {cond} | {_fmt(r['acceptance_length'])} "
+                     f"| {_fit(r['slope_position'])} | {r['num_drafts']} | {_fmt(r['tokens_per_s'], '.1f')} |")
+    lines += ["", "| heads | mode | slope over temperatures [95% CI] | per-position slope, temperatures pooled "
+              "[95% CI] |", "|---|---|---|---|"]
+    for key in dict.fromkeys((r["head"], r["draft_mode"]) for r in records):
+        r = next(r for r in records if (r["head"], r["draft_mode"]) == key)
+        lines.append(f"| {key[0]} | {key[1]} | {_fit(r['slope_temperature'])} | {_fit(r['slope_position_cell'])} |")
+    return "\n".join(lines) + "\n"
+
+
+def write_outputs(out: Path, records: list[dict], cfg: SweepConfig) -> None:
+    atomic_write(out / "sweep.csv", records_csv(records))
+    atomic_write(out / "sweep.md", tables(records, cfg))
+    plot_sweep(out / "sweep.png", records)
+
+
+def run(cfg: SweepConfig, resolved: str) -> list[dict]:
+    out = Path(cfg.out_dir)
+    with RunLock(out):
+        check_out_dir(out, cfg.overwrite)
+        if cfg.threads:
+            torch.set_num_threads(cfg.threads)
+        policy = load_rl_policy(cfg.model)
+        head_files = load_head_files(policy.model, cfg)
+        prompts = [policy.codec.encode_prompt(t) for t in prompt_texts(cfg.prompts, held_out=True)]
+        settings, temps = cfg.settings(), check_temperatures(cfg.temperatures)
+        write_resolved(resolved, out)
+        engine, records = TorchEngine(policy.model), []
+        per_run = len(prompts) * cfg.max_new_tokens
+        total = len(head_files) * len(cfg.draft_modes) * len(temps) * per_run
+        with open(out / "sweep.jsonl", "w", encoding="utf-8") as log, \
+                tqdm(total=total, unit="tok", disable=not cfg.progress, dynamic_ncols=True) as bar:
+            for name, (heads, meta, path) in head_files.items():         # ---- the driver loop ----
+                engine.set_heads(heads, meta.head_version)
+                for mode in cfg.draft_modes:
+                    cell, points = [], []
+                    for t in temps:
+                        bar.set_description(f"{name} {mode} T={t:g}")
+                        run_t = decode_at(engine, prompts, mode, t, settings, progress_to(bar))
+                        bar.total -= per_run - run_t.num_tokens           # stopped early: the bar still ends full
+                        bar.refresh()
+                        record, pts = temperature_record(run_t, settings)
+                        cell.append({"head": name, "heads_path": path, "heads_loss": meta.loss, **record})
+                        points.append(pts)
+                    for r in add_cell_slopes(cell, points, settings):
+                        records.append(json_safe(r))
+                        log.write(json.dumps(records[-1]) + "\n")
+                    log.flush()
+                    write_outputs(out, records, cfg)
+    print(tables(records, cfg))
+    print(f"out_dir {out}: " + ", ".join(FILES))
+    return records
+
+
+def progress_to(bar: tqdm):
+    """engine.generate's per-round callback -> the bar, with this temperature's acceptance."""
+    seen = {"accepted": 0, "proposed": 0}
+
+    def progress(new_tokens: int, accepted: int, proposed: int) -> None:
+        seen["accepted"] += accepted
+        seen["proposed"] += proposed
+        if seen["proposed"]:
+            bar.set_postfix(acceptance=f"{seen['accepted'] / seen['proposed']:.2f}", refresh=False)
+        bar.update(new_tokens)
+    return progress
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of `mtp-rollout sweep`: argv = YAML files and key=value overrides; without a
+    YAML file configs/sweep.yaml comes first."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if wants_help(argv):
+        print(config_help(SweepConfig, usage=__doc__), end="")
+        return 0
+    if all("=" in a for a in argv):
+        argv = [str(DEFAULT_CONFIG), *argv]
+    cfg, resolved = load_config(SweepConfig, argv)
+    run(cfg, resolved)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
