@@ -28,7 +28,8 @@ import torch
 
 from rollout.engine.config import EngineConfig
 from rollout.engine.round import PHASES
-from rollout.models.decoder import CausalLM, preferred_dtype
+from rollout.models.decoder import CausalLM
+from rollout.models.dtypes import dtype_name
 from rollout.torch_engine import TorchEngine
 from rollout.types import SamplingParams
 
@@ -218,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
     from rollout.models.policy import load_policy
     rows = []
     for dtype in cfg.dtypes:
-        name = str(preferred_dtype()).removeprefix("torch.") if dtype == "auto" else dtype
+        name = dtype_name(dtype)
         policy, loaded = load_policy(cfg.model, name)
         heads, heads_desc = resolve_heads(policy, cfg.model, cfg.heads, cfg.num_depths)
         prompts = [apply_chat_template(loaded, [{"role": "user", "content": p}]) for p in BENCH_PROMPTS]

@@ -16,6 +16,7 @@ from torch import nn
 
 from rollout.models.config import ModelConfig
 from rollout.models.decoder import CausalLM, DecoderLayer, KVCache, RMSNorm
+from rollout.models.fast_linear import Linear, linear
 
 
 class MTPDepth(nn.Module):
@@ -24,7 +25,7 @@ class MTPDepth(nn.Module):
         d = cfg.hidden_size
         self.enorm = RMSNorm(d, cfg.rms_norm_eps)
         self.hnorm = RMSNorm(d, cfg.rms_norm_eps)
-        self.eh_proj = nn.Linear(2 * d, d, bias=False)
+        self.eh_proj = Linear(2 * d, d, bias=False)
         self.block = DecoderLayer(cfg)
         self.norm = RMSNorm(d, cfg.rms_norm_eps)
 
@@ -109,7 +110,7 @@ class MTPHeads(nn.Module):
         if getattr(self, "_sub_head_key", None) != key:  # re-slice only after a policy update
             self._sub_head, self._sub_head_key = weight[vocab].contiguous(), key
         logits = hidden.new_full((hidden.shape[0], weight.shape[0]), float("-inf"), dtype=torch.float32)
-        logits[:, vocab] = torch.nn.functional.linear(hidden, self._sub_head).float()
+        logits[:, vocab] = linear(hidden, self._sub_head).float()
         return logits
 
     def teacher_forced(self, policy: CausalLM, hidden: torch.Tensor, tokens: torch.Tensor) -> list[torch.Tensor]:

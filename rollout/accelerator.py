@@ -49,7 +49,7 @@ class AcceleratorConfig:
                                         # or an HF directory
     heads_path: str | None = None       # MTP heads file (mtp_heads.checkpoint); used when `heads: path`
     num_depths: int = 1                 # MTP depths D of the heads
-    dtype: str = "float32"              # rollout weights: `float32`, `bfloat16`, `float16`
+    dtype: str = "float32"              # rollout weights: `float32`, `bfloat16`, `float16`, `auto` (the hardware's best)
     ray_address: str | None = None      # Ray cluster address; null starts (or joins) a local Ray
     seed: int = 0                       # seed of freshly initialised heads in the accelerator
 

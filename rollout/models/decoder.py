@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from rollout.models.config import ModelConfig
+from rollout.models.fast_linear import Linear, linear
 
 
 class RMSNorm(nn.Module):
@@ -104,10 +105,10 @@ class Attention(nn.Module):
         super().__init__()
         d, hd = cfg.hidden_size, cfg.dim_per_head
         self.n_heads, self.n_kv, self.hd = cfg.num_attention_heads, cfg.num_key_value_heads, hd
-        self.q_proj = nn.Linear(d, self.n_heads * hd, bias=cfg.attention_bias)
-        self.k_proj = nn.Linear(d, self.n_kv * hd, bias=cfg.attention_bias)
-        self.v_proj = nn.Linear(d, self.n_kv * hd, bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(self.n_heads * hd, d, bias=False)
+        self.q_proj = Linear(d, self.n_heads * hd, bias=cfg.attention_bias)
+        self.k_proj = Linear(d, self.n_kv * hd, bias=cfg.attention_bias)
+        self.v_proj = Linear(d, self.n_kv * hd, bias=cfg.attention_bias)
+        self.o_proj = Linear(self.n_heads * hd, d, bias=False)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(hd, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(hd, cfg.rms_norm_eps)
@@ -151,9 +152,9 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -217,21 +218,11 @@ class CausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # hidden [..., d] -> [..., V] in float32
-        return F.linear(hidden, self.lm_head_weight).float()
+        return linear(hidden, self.lm_head_weight).float()
 
     def forward(self, tokens: torch.Tensor, cache: KVCache | None = None,
                 start: torch.Tensor | None = None) -> torch.Tensor:
         return self.compute_logits(self.hidden_states(tokens, cache, start))
-
-
-def preferred_dtype(device: str | torch.device = "cpu") -> torch.dtype:
-    """bfloat16 where the hardware computes it natively (CUDA with bf16, CPUs with AVX-512 bf16 /
-    AMX, as oneDNN reports), float32 elsewhere: emulated bf16 is slower than float32."""
-    device = torch.device(device)
-    if device.type == "cuda":
-        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float32
-    bf16 = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
-    return torch.bfloat16 if bf16 else torch.float32
 
 
 def build_model(cfg: ModelConfig, state_dict: dict[str, torch.Tensor] | None = None,

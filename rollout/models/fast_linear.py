@@ -1,0 +1,83 @@
+"""Linear layers for bfloat16 inference on CPU through oneDNN's prepacked weights.
+
+`F.linear` in bfloat16 on a CPU re-lays the weight out for oneDNN on every call: at decode
+shapes (a few rows, SmolLM2's 576 x 1536 matrices) that costs as much as the product itself.
+Packing each weight once (`torch.ops.mkldnn._reorder_linear_weight`, what inductor's `freezing`
+does inside compiled graphs) made those products ~2x faster and flat in the row count from 1 to
+16 (experiments/LOG.md, 2026-12-01 session 4), so a k+1-token verification costs about one step,
+with results bit-identical to `F.linear`. Large inputs (prefill, teacher forcing) keep
+`F.linear`, which is faster there.
+
+Packed copies sit in a cache keyed by the weight tensor (held weakly: a freed weight frees its
+copy) and are rebuilt when the weight changes (its version counter moves on every in-place
+update, e.g. a policy or head sync), so callers never invalidate anything by hand. Training (grad enabled on the input or weight) always takes
+`F.linear`.
+"""
+from __future__ import annotations
+
+import weakref
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+PACKED_MAX_ROWS = 64   # inputs with more rows than this take F.linear (faster for prefill-sized inputs)
+
+
+def _packing_supported() -> bool:
+    return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
+_SUPPORTED: bool | None = None
+
+
+def _use_packed(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    global _SUPPORTED
+    if x.device.type != "cpu" or x.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16:
+        return False
+    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+        return False
+    if torch.compiler.is_compiling() or x.numel() // max(x.shape[-1], 1) > PACKED_MAX_ROWS:
+        return False
+    if _SUPPORTED is None:
+        _SUPPORTED = _packing_supported()
+    return _SUPPORTED
+
+
+def _version(weight: torch.Tensor) -> int:
+    try:
+        return weight._version
+    except RuntimeError:          # an inference tensor tracks no version: it is never updated in place here
+        return -1
+
+
+# id(weight) -> (weak reference to the weight, (data_ptr, version) when packed, packed copy)
+_PACKED: dict[int, tuple[weakref.ref, tuple[int, int], torch.Tensor]] = {}
+
+
+def packed_weight(weight: torch.Tensor) -> torch.Tensor:
+    """The oneDNN-packed copy of `weight` [N, K], made on first use and after any in-place change."""
+    key = (weight.data_ptr(), _version(weight))
+    entry = _PACKED.get(id(weight))
+    if entry is not None and entry[0]() is weight and entry[1] == key:
+        return entry[2]
+    with torch.no_grad():
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 1)
+    ref = weakref.ref(weight, lambda _, i=id(weight): _PACKED.pop(i, None))
+    _PACKED[id(weight)] = (ref, key, packed)
+    return packed
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear(x, weight, bias) for x [..., K], weight [N, K]; packed where that is faster."""
+    if not _use_packed(x, weight):
+        return F.linear(x, weight, bias)
+    y = torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed_weight(weight), None, "none", [], "")
+    return y if bias is None else y + bias
+
+
+class Linear(nn.Linear):
+    """nn.Linear (same parameters and state-dict names) whose inference forward uses `linear`."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias)

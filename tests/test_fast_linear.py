@@ -1,0 +1,59 @@
+"""rollout.models.fast_linear: the prepacked bfloat16 path gives exactly F.linear's result, follows
+in-place weight updates, and never runs where gradients are needed."""
+import gc
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from rollout.models import fast_linear
+from rollout.models.fast_linear import Linear, linear
+
+
+def _weights(n: int = 96, k: int = 40, seed: int = 0) -> torch.Tensor:
+    return torch.randn(n, k, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)
+
+
+@pytest.mark.parametrize("shape", [(1, 40), (3, 40), (1, 1, 40), (2, 4, 40), (16, 40)])
+def test_packed_equals_f_linear_bitwise(shape):
+    w, b = _weights(), torch.randn(96).to(torch.bfloat16)
+    x = torch.randn(shape).to(torch.bfloat16)
+    with torch.inference_mode():
+        assert fast_linear._use_packed(x, w) == fast_linear._packing_supported()
+        assert torch.equal(linear(x, w), F.linear(x, w))
+        assert torch.equal(linear(x, w, b), F.linear(x, w) + b)
+        assert linear(x, w).shape == (*shape[:-1], 96)
+
+
+def test_an_in_place_update_is_seen_and_a_freed_weight_frees_its_copy():
+    w = torch.nn.Parameter(_weights(), requires_grad=False)
+    x = torch.randn(2, 40).to(torch.bfloat16)
+    with torch.inference_mode():
+        before = linear(x, w)
+    with torch.no_grad():
+        w.mul_(2)                                   # what a policy sync does: copy_ into the parameter
+    with torch.inference_mode():
+        assert torch.equal(linear(x, w), F.linear(x, w))
+        assert not torch.equal(linear(x, w), before)
+    if fast_linear._packing_supported():
+        assert id(w) in fast_linear._PACKED
+        key = id(w)
+        del w
+        gc.collect()
+        assert key not in fast_linear._PACKED
+
+
+def test_training_takes_f_linear_and_gets_gradients():
+    layer = Linear(40, 8, bias=False).to(torch.bfloat16)
+    x = torch.randn(3, 40).to(torch.bfloat16).requires_grad_(True)
+    assert not fast_linear._use_packed(x, layer.weight)
+    layer(x).float().sum().backward()
+    assert x.grad is not None and layer.weight.grad is not None
+
+
+def test_float32_and_large_inputs_keep_f_linear():
+    w32 = _weights().float()
+    assert not fast_linear._use_packed(torch.randn(1, 40), w32)
+    big = torch.randn(fast_linear.PACKED_MAX_ROWS + 1, 40).to(torch.bfloat16)
+    with torch.inference_mode():
+        assert not fast_linear._use_packed(big, _weights())
