@@ -127,7 +127,7 @@ def make_engine(name: str, policy, cfg: HeadDataConfig, dtype: str | None = None
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")   # keep to our torch threads, no pinning
     from rollout.vllm import VLLMEngine, VLLMEngineConfig
-    return VLLMEngine(policy, config=VLLMEngineConfig(dtype=dtype or cfg.compute_dtype, analysis="none",
+    return VLLMEngine(policy, config=VLLMEngineConfig(dtype=dtype or cfg.compute_dtype,
                                                       max_model_len=cfg.max_len + cfg.onpolicy.max_new_tokens,
                                                       seed=cfg.seed))
 

@@ -170,6 +170,7 @@ def run(cfg: TrainHeadsConfig, resolved: str = "", policy=None, loaded=None) -> 
     t0 = time.perf_counter()
     out = Path(cfg.out).expanduser() if cfg.out else default_out(cfg.model)
     check_writable(out.parent, "out directory")     # before the model, the data and minutes of training
+    check_writable(cache_dir(), "the cache ($MTP_ROLLOUT_CACHE), where evaluation sets and generated data are kept")
     if policy is None:
         from rollout.models.decoder import build_model
         from rollout.models.loaders import load_model

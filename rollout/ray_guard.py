@@ -27,6 +27,8 @@ from pathlib import Path
 
 import psutil
 
+from rollout.fileio import atomic_write
+
 GRACE_S = 3.0
 START_ATTEMPTS = 2     # ray.init of a local Ray that still did not start
 REGISTER_WAIT_S = 180.0   # how long a starting local raylet may take to register on a loaded machine
@@ -77,12 +79,6 @@ def _is_ray(p: psutil.Process) -> bool:
         return False
 
 
-def _write(path: Path, record: dict) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(record))
-    os.replace(tmp, path)
-
-
 def watch(driver_pid: int, interval_s: float = 1.0) -> int:
     """Run by the guard process: follow the driver, clean up after it. Returns processes stopped."""
     try:
@@ -102,8 +98,8 @@ def watch(driver_pid: int, interval_s: float = 1.0) -> int:
             kids = {}
         if kids.keys() - known.keys():
             known.update(kids)
-            _write(path, {"driver_pid": driver_pid, "driver_create_time": driver_ct,
-                          "processes": {str(k): v for k, v in known.items()}})
+            atomic_write(path, json.dumps({"driver_pid": driver_pid, "driver_create_time": driver_ct,
+                                           "processes": {str(k): v for k, v in known.items()}}))
         time.sleep(interval_s)
     stopped = stop_processes(known)
     path.unlink(missing_ok=True)

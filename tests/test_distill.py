@@ -112,17 +112,23 @@ def _rollouts(policy, n, seed):
 
 @pytest.mark.parametrize("objective", sorted(OBJECTIVES))
 def test_pretraining_and_cotrainer_compute_the_same_loss_and_gradient(policy, objective):
-    """One batch through both paths: stored sequences (pre-training) and replayed rollouts with a
-    fresh policy forward (co-trainer), same heads and draft vocabulary -> same loss and gradient."""
-    from mtp_heads.pretrain import Phase, TrainConfig, step_loss
+    """One batch through both paths: pre-training's own data path (a TokenData sequence source and
+    batch_for_step, as train_heads reads it) and replayed rollouts with a fresh policy forward
+    (co-trainer), same heads and draft vocabulary -> same loss and gradient."""
+    from mtp_heads.pretrain import Phase, TrainConfig, batch_for_step, step_loss
+    from mtp_heads.token_data import TokenData
     heads = _randomised(init_heads(policy, 1, seed=0), seed=3)
     heads.set_draft_vocab(torch.arange(0, 64, 3))
     rollouts = _rollouts(policy, 1, seed=5)
     seq = np.asarray(rollouts[0][0] + rollouts[0][1], dtype=np.int64)
     with torch.no_grad():
         hidden = policy.hidden_states(torch.tensor(seq[None]))[0].numpy()
-    batch = batch_from_sequences([(seq, hidden, completion_mask(len(seq), len(rollouts[0][0])))], "cpu")
-    cfg = TrainConfig(num_depths=1, unroll_steps=3, phases=[Phase(objective, 1)], temperature=0.8)
+    data = TokenData(seq.astype(np.int32), hidden, np.array([0, len(seq)], np.int64),
+                     np.array([len(rollouts[0][0])], np.int32))
+    cfg = TrainConfig(num_depths=1, unroll_steps=3, phases=[Phase(objective, 1)], temperature=0.8,
+                      batch_tokens=len(seq), max_seq_len=len(seq))
+    batch = batch_for_step(data, cfg, 0, "cpu")
+    assert batch.loss_mask[0].tolist() == completion_mask(len(seq), len(rollouts[0][0])).tolist()[:-1] + [False]
     mine = _randomised(init_heads(policy, 1, seed=0), seed=3)
     mine.set_draft_vocab(torch.arange(0, 64, 3))
     loss_a = step_loss(mine, policy, batch, cfg, 0, DraftVocabMap.for_heads(policy, mine)).loss

@@ -17,6 +17,7 @@ from tokenizers import pre_tokenizers
 
 from rollout.models import default_model
 from rollout.models.config import ModelConfig
+from tests.conftest import tiny_config as conftest_tiny_config
 from rollout.models.decoder import build_model
 from rollout.models.loaders import (LoadedModel, apply_chat_template, config_from_hf, default_model_path,
                                     expected_tensor_shapes, export_hf_dir, llama_cpp_permute,
@@ -34,10 +35,9 @@ SMOL_TEMPLATE = (  # SmolLM2-135M-Instruct's template, as its GGUF stores it
 
 
 def tiny_config(tie: bool = True, **kw) -> ModelConfig:
-    base = dict(vocab_size=len(TOKENS), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5, rope_theta=10000.0,
-                max_position_embeddings=128, tie_word_embeddings=tie, bos_token_id=1, eos_token_ids=(2,))
-    return ModelConfig(**{**base, **kw})
+    """conftest's tiny model over this file's tokenizer vocabulary, tied or not."""
+    return conftest_tiny_config(**{**dict(vocab_size=len(TOKENS), rms_norm_eps=1e-5, max_position_embeddings=128,
+                                          tie_word_embeddings=tie, bos_token_id=1, eos_token_ids=(2,)), **kw})
 
 
 def random_weights(cfg: ModelConfig, seed: int = 0) -> dict[str, torch.Tensor]:

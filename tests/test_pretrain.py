@@ -231,6 +231,28 @@ def test_train_heads_job_writes_heads_report_and_curve(policy, data, held_out, t
     assert "| 1 | rejection |" in card and "abc123" in card and "| 4 |" in card
 
 
+def test_train_heads_cli_exits_0_after_a_real_run(policy, data, held_out, tmp_path, monkeypatch, capsys):
+    """`mtp-rollout train-heads ...` through the CLI with the real job (model and data swapped for the
+    tiny ones): trains, writes the heads and the report, and exits 0 (it once returned the report
+    dict as its exit status)."""
+    import experiments.pretrain_heads as job
+    import rollout.models.loaders as loaders
+    from experiments import cli
+    from rollout.models.loaders import LoadedModel
+    monkeypatch.setenv("MTP_ROLLOUT_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(loaders, "load_model",
+                        lambda spec: LoadedModel(policy.config, policy.state_dict(), None, None, spec))
+    monkeypatch.setattr(job, "open_data", lambda cfg, policy, loaded, progress: (data, held_out, {"tiny": True}))
+    out = tmp_path / "h.safetensors"
+    status = cli.main(["train-heads", "model=tiny", f"out={out}", "progress=false", "train.batch_tokens=160",
+                       "train.max_seq_len=64", "train.draft_vocab_size=16", "train.unroll_steps=2",
+                       "train.phases=[{objective: tv, steps: 3}]", "eval.heldout_sequences=4", "eval.train_sequences=0",
+                       "eval.steps=2"])
+    assert status == 0
+    assert read_meta(out).steps == 3 and out.with_suffix(".run.json").is_file()
+    assert "held-out:" in capsys.readouterr().out
+
+
 def test_shipped_heads_load_without_training(policy, tmp_path, monkeypatch):
     import experiments.pretrain_heads as job
     import mtp_heads.shipped as shipped

@@ -259,7 +259,7 @@ def test_bfloat16_speculative_sampling_is_lossless():
 
 
 def test_weight_updates_are_checked_before_anything_changes(tiny_policy, tiny_heads):
-    """A wrong name or shape in a policy or head update names it and leaves the weights as they were."""
+    """A wrong name or shape, or NaN in a policy update, names it and leaves the weights as they were."""
     engine = TorchEngine(tiny_policy, tiny_heads, policy_version=3, head_version=4)
     policy_before = {k: v.clone() for k, v in tiny_policy.state_dict().items()}
     norm = tiny_policy.state_dict()["model.norm.weight"]
@@ -267,6 +267,10 @@ def test_weight_updates_are_checked_before_anything_changes(tiny_policy, tiny_he
         engine.update_policy({"model.norm.weight": norm + 1, "model.nope": torch.zeros(2)}, 5)
     with pytest.raises(ValueError, match="wrong shape \\['model.norm.weight'\\]"):
         engine.update_policy({"model.norm.weight": torch.zeros(norm.numel() + 1)}, 5)
+    poisoned = norm.clone()
+    poisoned[3] = float("nan")
+    with pytest.raises(ValueError, match="policy update: tensor model.norm.weight holds non-finite values"):
+        engine.update_policy({"model.norm.weight": poisoned}, 5)
     assert all(torch.equal(v, policy_before[k]) for k, v in tiny_policy.state_dict().items())
     name, weight = next((k, v) for k, v in engine.heads.state_dict().items() if v.dim() == 2)
     with pytest.raises(ValueError, match=f"do not fit this policy.*{name}"):

@@ -13,6 +13,7 @@ from tokenizers import pre_tokenizers
 from mtp_heads.heads import init_heads
 from rollout.accelerator import AcceleratorConfig, CoTrainerConfig, RolloutAccelerator, WorkerConfig
 from rollout.models.config import ModelConfig
+from tests.conftest import tiny_config
 from rollout.models.decoder import random_model
 from rollout.models.hf_loader import LoadedModel, expected_tensor_shapes, export_hf_dir, hf_config_dict
 from rollout.models.tokenizer import TOKEN_CONTROL, TOKEN_NORMAL, bpe_tokenizer
@@ -35,9 +36,8 @@ MAX_NEW = 6
 
 
 def tiny_llama() -> ModelConfig:
-    return ModelConfig(vocab_size=len(TOKENS), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                       tie_word_embeddings=True, bos_token_id=1, eos_token_ids=(2,), architecture="llama")
+    return tiny_config(vocab_size=len(TOKENS), tie_word_embeddings=True, bos_token_id=1, eos_token_ids=(2,),
+                       architecture="llama")
 
 
 @pytest.fixture(scope="module")

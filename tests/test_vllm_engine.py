@@ -171,6 +171,29 @@ def test_live_head_refresh_changes_acceptance_not_outputs(engine, policy, good_h
     assert out_good.spec_stats().acceptance_rate > out_bad.spec_stats().acceptance_rate + 0.05
 
 
+def test_nonfinite_heads_slow_but_never_change_or_crash_vllm(engine, policy, good_heads):
+    """Heads with NaN/inf (a diverged refresh) reach vLLM's drafter zeroed: greedy outputs equal the
+    torch engine's plain decoding, sampling at T = 1 does not crash, and every round is counted."""
+    prompts = _prompts()
+    nan_heads = copy.deepcopy(good_heads)
+    with torch.no_grad():
+        nan_heads.depths[0].eh_proj.weight[0, 0] = float("nan")
+        nan_heads.depths[0].block.mlp.up_proj.weight[1, :3] = float("inf")
+    plain = TorchEngine(policy).generate(prompts, SamplingParams(max_new_tokens=20, temperature=0.0, ignore_eos=True))
+    engine.update_heads(nan_heads.state_dict(), version=5)
+    try:
+        assert sorted(engine.nonfinite_heads) == ["depths.0.block.mlp.up_proj.weight", "depths.0.eh_proj.weight"]
+        greedy = engine.generate(prompts, _sp(0.0))
+        sampled = engine.generate(prompts, _sp(1.0, "rejection"))
+    finally:
+        engine.update_heads(good_heads.state_dict(), version=6)
+    assert [c.tokens for c in greedy.completions] == [c.tokens for c in plain.completions]
+    for batch in (greedy, sampled):
+        assert all(len(c.tokens) == 20 for c in batch.completions)
+        assert batch.nonfinite_draft_rounds == sum(len(c.round_accepted) for c in batch.completions) > 0
+    assert engine.nonfinite_heads == []
+
+
 def test_policy_refresh_logprobs_match_torch(engine, good_heads):
     new_policy = random_model(CFG, seed=1)
     engine.update_policy(new_policy.state_dict(), version=5)

@@ -88,7 +88,7 @@ def build_shards(writer: StoreWriter, policy: CausalLM, *, source: str, split: s
             log(f"shard {name}: no usable examples in its {len(chunk)} items, skipped")
             continue
         hidden = teacher_force(policy, [e.tokens for e in examples], max_batch_tokens)
-        data = ShardArrays.pack([(e.tokens, h, loss_mask_of(e.assistant), source, e.key)
+        data = ShardArrays.from_sequences([(e.tokens, h, loss_mask_of(e.assistant), source, e.key)
                                  for e, h in zip(examples, hidden)])
         entry = writer.add_shard(name, split, data, params)
         dt = time.perf_counter() - t0
@@ -136,5 +136,5 @@ def add_rollouts(writer: StoreWriter, rollouts: Sequence[tuple[Sequence[int], to
         while shard_name("rollout", split, i) in taken:
             i += 1
         names.append(shard_name("rollout", split, i))
-        writer.add_shard(names[-1], split, ShardArrays.pack(seqs))
+        writer.add_shard(names[-1], split, ShardArrays.from_sequences(seqs))
     return names

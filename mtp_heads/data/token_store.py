@@ -88,7 +88,7 @@ class ShardArrays:
     keys: list[str]         # [n]
 
     @classmethod
-    def pack(cls, seqs: Sequence[tuple[np.ndarray, np.ndarray, np.ndarray, str, str]]) -> "ShardArrays":
+    def from_sequences(cls, seqs: Sequence[tuple[np.ndarray, np.ndarray, np.ndarray, str, str]]) -> "ShardArrays":
         """seqs: (tokens [T] int, hidden [T, d] uint16, loss_mask [T] bool, source, key) each."""
         if not seqs:
             raise ValueError("a shard needs at least one sequence")

@@ -1,11 +1,14 @@
 """Loading new policy or head weights into an engine's torch modules, checked the same way in
-both engines: a bad name or shape is refused with a message naming it, before anything changes."""
+both engines: a bad name or shape, or non-finite policy weights, are refused with a message naming
+them, before anything changes. (Non-finite head weights are not refused: bad heads may only slow
+decoding, never stop it; each engine drafts nothing, or nothing useful, from them and counts it.)"""
 from __future__ import annotations
 
 import torch
 
 from mtp_heads.heads import MTPHeads
 from rollout.models.decoder import CausalLM
+from rollout.models.hf_loader import check_finite
 
 DRAFT_VOCAB = "draft_vocab"   # the heads' draft-vocabulary buffer: its length may change on a refresh
 
@@ -22,6 +25,7 @@ def load_policy_update(policy: CausalLM, state_dict: dict) -> dict[str, torch.Te
     if unknown or wrong:
         raise ValueError(f"policy weights do not match the {policy.config.architecture} config: unknown "
                          f"{unknown[:5]}, wrong shape {wrong[:5]}")
+    check_finite(sd, "policy update")         # NaN weights would decode garbage silently
     policy.load_state_dict(sd, strict=False)   # partial updates are fine
     return sd
 

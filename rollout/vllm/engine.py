@@ -85,6 +85,7 @@ class VLLMEngine:
             self._check_heads(heads)
             p = policy.model.embed_tokens.weight
             self.heads = heads.to(device=p.device, dtype=p.dtype).eval()
+        self.nonfinite_heads: list[str] = self._nonfinite_head_tensors()   # zeroed in vLLM's drafter
         self._llm = None
         self._spec_key: tuple[int, str] | None = None
         self.num_starts = 0                                  # vLLM instances started (tests: no restart)
@@ -102,6 +103,15 @@ class VLLMEngine:
             logger.warning("vLLM reuses one drafter module for all k drafts: only depth 1 of these %d-depth "
                            "heads is used (the torch engine would use depths 2..%d too); recurrent one-depth "
                            "heads draft the same way in both engines", heads.num_depths, heads.num_depths)
+
+    def _nonfinite_head_tensors(self) -> list[str]:
+        from rollout.vllm.export import drafter_state_dict, finite_drafter_weights
+
+        bad = [] if self.heads is None else finite_drafter_weights(drafter_state_dict(self.heads))[1]
+        if bad:
+            logger.warning("MTP head tensors %s hold NaN/inf: vLLM drafts with those entries zeroed (outputs "
+                           "unchanged, acceptance lower; counted as nonfinite_draft_rounds)", bad[:5])
+        return bad
 
     @property
     def _max_model_len(self) -> int:
@@ -202,6 +212,8 @@ class VLLMEngine:
         metrics = o.spec_decode_metrics
         if k and metrics is not None:
             comp.round_accepted = [int(a) for a, d in zip(metrics.per_step_accepted, metrics.per_step_drafted) if d > 0]
+            if self.nonfinite_heads:
+                comp.nonfinite_draft_rounds = len(comp.round_accepted)
             if len(rec.rounds) == len(comp.round_accepted):
                 comp.draft_entropies = [list(r) + [math.nan] * (k - len(r)) for r in rec.rounds]
             else:
@@ -215,11 +227,13 @@ class VLLMEngine:
         """New head weights into the running drafter (vLLM's in-place reload); no restart."""
         load_heads_update(self.heads, state_dict)
         self.head_version = version
+        self.nonfinite_heads = self._nonfinite_head_tensors()
         if self._llm is not None and self._spec_key[0] > 0:
-            from rollout.vllm.export import drafter_state_dict
+            from rollout.vllm.export import drafter_state_dict, finite_drafter_weights
 
             dtype = getattr(torch, self.config.dtype)
-            weights = [(n, t.to(dtype)) for n, t in drafter_state_dict(self.heads).items()]
+            finite = finite_drafter_weights(drafter_state_dict(self.heads))[0]
+            weights = [(n, t.to(dtype)) for n, t in finite.items()]
             vocab = getattr(self.heads, DRAFT_VOCAB, None)      # MTPHeads.load_state_dict may change it
             weights.append((DRAFT_VOCAB, torch.zeros(0, dtype=torch.long) if vocab is None else vocab.cpu()))
             self._llm.collective_rpc(reload_drafter, args=(weights,))

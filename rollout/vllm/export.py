@@ -29,6 +29,18 @@ def drafter_state_dict(heads: MTPHeads | dict[str, torch.Tensor]) -> dict[str, t
     return {k: torch.as_tensor(v).detach().cpu().contiguous() for k, v in sd.items() if k.startswith("depths.0.")}
 
 
+def finite_drafter_weights(sd: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], list[str]]:
+    """NaN/inf entries of drafter weights replaced by 0, and the names of the tensors that had any.
+
+    vLLM's samplers are not guarded against a non-finite q the way our engine's round is (which
+    drafts nothing for such a row): zeroed weights still give a finite q, so verification stays
+    lossless and only acceptance drops; the engine counts those rounds (nonfinite_draft_rounds)."""
+    bad = [k for k, v in sd.items() if v.is_floating_point() and not bool(torch.isfinite(v).all())]
+    if not bad:
+        return sd, []
+    return {k: torch.nan_to_num(v, nan=0.0, posinf=0.0, neginf=0.0) if k in bad else v for k, v in sd.items()}, bad
+
+
 def export_drafter_dir(heads: MTPHeads, out_dir: str | Path, dtype: torch.dtype = torch.float32) -> Path:
     """The policy's config.json with our drafter architecture and one layer, plus the depth-1 weights."""
     out = Path(out_dir)
@@ -37,7 +49,7 @@ def export_drafter_dir(heads: MTPHeads, out_dir: str | Path, dtype: torch.dtype 
     cfg.update(architectures=[ARCHITECTURE], num_hidden_layers=1, mtp_rollout_num_depths=heads.num_depths,
                mtp_rollout_policy_fingerprint=heads.policy_fingerprint)
     (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
-    tensors = {k: v.to(dtype) for k, v in drafter_state_dict(heads).items()}
+    tensors = {k: v.to(dtype) for k, v in finite_drafter_weights(drafter_state_dict(heads))[0].items()}
     vocab = getattr(heads, DRAFT_VOCAB, None)
     if vocab is not None:
         tensors[DRAFT_VOCAB] = vocab.detach().to(device="cpu", dtype=torch.int64).contiguous()
