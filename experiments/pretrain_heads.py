@@ -65,6 +65,8 @@ class EvalConfig:
     engine_prompts: int = 0             # held-out chat prompts decoded by the torch engine at the end (0 = skip)
     engine_new_tokens: int = 64         # new tokens per engine prompt
     speedup_prompts: int = 0            # batch-1 plain vs speculative decode prompts (0 = skip)
+    heldout_sources: list[str] = field(default_factory=list)   # also score each of these store sources' held-out split on its own
+    at_start: bool = False              # also score the initial heads (step 0): the curve's start when fine-tuning
 
 
 @dataclass(frozen=True)
@@ -185,20 +187,34 @@ def run(cfg: TrainHeadsConfig, resolved: str = "", policy=None, loaded=None) -> 
     held_set = cached_eval_set(policy, held, ev, ev.heldout_sequences, {"split": "heldout", **where})
     train_set = cached_eval_set(policy, train, ev, ev.train_sequences, {"split": "train", **where}) \
         if ev.train_sequences else None
+    by_source = {}
+    if ev.heldout_sources:
+        if not cfg.data.store:
+            raise ValueError("eval.heldout_sources needs a token store (data.store)")
+        from mtp_heads.data.token_store import TokenStore
+        store = TokenStore(Path(cfg.data.store).expanduser())
+        by_source = {src: cached_eval_set(policy, store.split("heldout", sources=[src]), ev, ev.heldout_sequences,
+                                          {"split": "heldout", "store": cfg.data.store, "sources": [src]})
+                     for src in ev.heldout_sources}
     eval_build_s = time.perf_counter() - t_eval
     eval_seconds = [0.0]
 
     def on_eval(step: int, heads: MTPHeads) -> dict:
         t = time.perf_counter()
         res = {"heldout": teacher_forced_acceptance(policy, heads, held_set, ev.steps)}
+        for src, es in by_source.items():
+            res[f"heldout_{src}"] = teacher_forced_acceptance(policy, heads, es, ev.steps)
         if train_set is not None:
             res["train"] = teacher_forced_acceptance(policy, heads, train_set, ev.steps)
         eval_seconds[0] += time.perf_counter() - t
         T1 = max(ev.temperatures)
         h = res["heldout"][T1]["rejection"]
         tr = res["train"][T1]["rejection"] if "train" in res else None
+        per_src = "".join(f" | {src} {' / '.join(f'{a:.3f}' for a in r[T1]['rejection']['per_position'])} tau "
+                          f"{r[T1]['rejection']['tau']:.2f}" for src, r in
+                          ((k.removeprefix("heldout_"), v) for k, v in res.items() if k.startswith("heldout_")))
         print(f"[eval] step {step}: held-out T={T1:g} rejection per position "
-              f"{' / '.join(f'{a:.3f}' for a in h['per_position'])} tau {h['tau']:.2f}"
+              f"{' / '.join(f'{a:.3f}' for a in h['per_position'])} tau {h['tau']:.2f}" + per_src
               + (f" | train {' / '.join(f'{a:.3f}' for a in tr['per_position'])} tau {tr['tau']:.2f}" if tr else "")
               + f" | {time.perf_counter() - t0:.0f} s", flush=True)
         return res
@@ -209,7 +225,7 @@ def run(cfg: TrainHeadsConfig, resolved: str = "", policy=None, loaded=None) -> 
                                                                                         cfg.train.phases]})}
     t_train = time.perf_counter()
     result = train_heads(policy, train, cfg.train, draft_vocab=vocab, checkpoint=out, resume=cfg.resume,
-                         meta_defaults=meta, progress=cfg.progress, on_eval=on_eval)
+                         meta_defaults=meta, progress=cfg.progress, on_eval=on_eval, eval_at_start=ev.at_start)
     train_s = time.perf_counter() - t_train
     report = {"config": resolved, "out": str(out), "data": data_desc, "threads": torch.get_num_threads(),
               "steps": result.steps, "losses": result.losses, "history": result.history,

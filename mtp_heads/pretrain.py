@@ -223,12 +223,13 @@ class TrainResult:
 def train_heads(policy: CausalLM, data, cfg: TrainConfig, *, draft_vocab: torch.Tensor | None = None,
                 checkpoint: str | os.PathLike | None = None, resume: bool = False,
                 meta_defaults: dict | None = None, progress: bool = True, stop_after: int | None = None,
-                on_eval: Callable[[int, MTPHeads], dict] | None = None) -> TrainResult:
+                on_eval: Callable[[int, MTPHeads], dict] | None = None, eval_at_start: bool = False) -> TrainResult:
     """Train heads on the sequence source `data` (see module docstring); the policy is never touched.
 
     checkpoint: where heads (+ `.train.pt`) are written every cfg.checkpoint_every steps and at
     the end; resume=True continues from it. on_eval(step, heads) runs every cfg.eval_every steps
-    and at the end; its dicts are kept in the training state (the scaling curve). stop_after
+    and at the end (and at step 0 with eval_at_start); its dicts are kept in the training state
+    (the scaling curve). stop_after
     ends the call after that many total steps (an interruption, in tests).
     """
     if len(data) == 0:
@@ -257,6 +258,10 @@ def train_heads(policy: CausalLM, data, cfg: TrainConfig, *, draft_vocab: torch.
     total = cfg.total_steps
     end = total if stop_after is None else min(total, stop_after)
     losses, rows_done, toks_done, t0 = [], 0, 0, time.perf_counter()
+    if on_eval is not None and eval_at_start and start == 0:
+        heads.eval()
+        history.append({"step": 0, **on_eval(0, heads)})
+        heads.train()
     bar = tqdm(range(start, end), desc="train heads", unit="step", disable=not progress)
     for step in bar:
         phase = cfg.phase_at(step)

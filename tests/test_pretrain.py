@@ -231,6 +231,41 @@ def test_train_heads_job_writes_heads_report_and_curve(policy, data, held_out, t
     assert "| 1 | rejection |" in card and "abc123" in card and "| 4 |" in card
 
 
+def test_heldout_sources_are_scored_apart_and_at_step_0(policy, tmp_path, monkeypatch):
+    """eval.heldout_sources scores each source's held-out split on its own; eval.at_start adds step 0
+    (the start of a fine-tuning curve) with the initial heads."""
+    import experiments.pretrain_heads as job
+    from mtp_heads.data.builder import Example, build_shards
+    from mtp_heads.data.token_store import StoreWriter
+    from experiments.pretrain_heads import EvalConfig, TrainHeadsConfig, DataConfig
+    monkeypatch.setenv("MTP_ROLLOUT_CACHE", str(tmp_path / "cache"))
+    rng = np.random.default_rng(0)
+    root = tmp_path / "store"
+    for source, split, seed in (("sharegpt", "train", 0), ("sharegpt", "heldout", 1), ("onpolicy", "heldout", 2)):
+        items = []
+        for i in range(6):
+            T = int(rng.integers(12, 30))
+            mask = np.zeros(T, bool)
+            mask[3:] = True
+            items.append((f"{source}{seed}-{i}", rng.integers(2, 64, T).astype(np.int32), mask))
+        build_shards(StoreWriter(root, {"model": "tiny", "hidden_size": 32, "dtype": "bfloat16"}), policy,
+                     source=source, split=split, items=items, items_per_shard=3, target_tokens=10**9,
+                     max_batch_tokens=64, log=lambda *a: None,
+                     make_examples=lambda chunk, _: [Example(k, t, a) for k, t, a in chunk])
+    cfg = TrainHeadsConfig(model="tiny", out=str(tmp_path / "h.safetensors"), progress=False,
+                           data=DataConfig(store=str(root), sources=["sharegpt"]),
+                           train=_cfg(draft_vocab_size=0, eval_every=2),
+                           eval=EvalConfig(temperatures=[1.0], steps=2, heldout_sequences=4, train_sequences=0,
+                                           heldout_sources=["sharegpt", "onpolicy"], at_start=True))
+    report = job.run(cfg, "", policy, None)
+    assert [h["step"] for h in report["history"]] == [0, 2, 4]
+    for h in report["history"]:
+        assert h["heldout_sharegpt"] == h["heldout"]                  # the same split, scored twice
+        assert h["heldout_onpolicy"] != h["heldout"]
+    start, end = (report["history"][i]["heldout"][1.0]["rejection"]["per_position"][0] for i in (0, -1))
+    assert start != end
+
+
 def test_train_heads_cli_exits_0_after_a_real_run(policy, data, held_out, tmp_path, monkeypatch, capsys):
     """`mtp-rollout train-heads ...` through the CLI with the real job (model and data swapped for the
     tiny ones): trains, writes the heads and the report, and exits 0 (it once returned the report
