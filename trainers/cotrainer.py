@@ -24,6 +24,7 @@ from mtp_heads.checkpoint import HeadMeta, load_heads, save_heads
 from mtp_heads.distill import DistillBatch, DraftVocabMap, batch_from_replay, check_objective, default_unroll_steps, \
     distill_loss
 from rollout.models.config import ModelConfig
+from rollout.models.dtypes import parse_dtype
 from rollout.weights import FlatWeights, heads_from_flat, pack, policy_from_flat, unpack
 from trainers.refresh import REFRESH_POLICIES, StepObservation, build_refresh_policy
 
@@ -54,8 +55,11 @@ class CoTrainerConfig:
     temperature: float = 1.0            # temperature of the TV target p and student q (match the rollouts')
     max_restarts: int = 1               # automatic restarts of a dead co-trainer
     unroll_steps: int = 0               # draft steps trained per chain (training-time test); 0 = max(depths, 3)
+    policy_dtype: str = "auto"          # the policy copy that teacher-forces replayed rollouts (heads always train
+                                        # in float32): auto = bfloat16 where the hardware has it, 3.5x faster there
 
     def __post_init__(self) -> None:
+        parse_dtype(self.policy_dtype)
         refresh = (self.refresh,) if isinstance(self.refresh, str) else tuple(self.refresh)
         bad = [r for r in refresh if r not in REFRESH_POLICIES]
         if bad:
@@ -95,7 +99,7 @@ class HeadCoTrainer:
             torch.set_num_threads(num_threads)   # DESIGN.md: match the actor's CPU share
         self.config = config
         self.device = device
-        self.policy = policy_from_flat(policy_config, policy_weights, "float32", device)
+        self.policy = policy_from_flat(policy_config, policy_weights, config.policy_dtype, device)
         self.policy_version = policy_version
         self.heads = heads_from_flat(policy_config, num_depths, head_weights, "float32", device).train()
         # the same draft steps (training-time test) and draft vocabulary as pre-training: mtp_heads.distill
