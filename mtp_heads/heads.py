@@ -94,24 +94,32 @@ class MTPHeads(nn.Module):
         rope = policy.model.rotary(positions)
         return self.depths[j](prev_hidden, policy.model.embed_tokens(tokens), positions, rope, cache)
 
-    def draft_logits(self, policy: CausalLM, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [B, d] -> logits [B, V] float32.
+    def draft_logits_in_vocab(self, policy: CausalLM, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """hidden [B, d] -> (logits [B, |S|] float32 over the draft vocabulary S, its ids [|S|] or
+        None when S is the whole vocabulary).
 
         With a draft vocabulary (buffer `draft_vocab`, set by mtp_heads.checkpoint.set_draft_vocab)
-        only those rows of the LM head are computed and every other token gets -inf, so q is zero
-        there: cheaper drafting (the LM head dominates a head's cost) and still lossless, since
-        rejection sampling only needs q to be a distribution.
+        only those rows of the LM head are computed: cheaper drafting (the LM head dominates a head's
+        cost) and still lossless, since rejection sampling only needs q to be a distribution (zero
+        outside S). The engine processes and samples q over S and scatters it into [B, V] once.
         """
         vocab = getattr(self, "draft_vocab", None)
         if vocab is None:
-            return policy.compute_logits(hidden)
+            return policy.compute_logits(hidden), None
         weight = policy.lm_head_weight
         key = (weight.data_ptr(), weight._version, vocab.data_ptr())
         if getattr(self, "_sub_head_key", None) != key:  # re-slice only after a policy update
             self._sub_head, self._sub_head_key = weight[vocab].contiguous(), key
-        logits = hidden.new_full((hidden.shape[0], weight.shape[0]), float("-inf"), dtype=torch.float32)
-        logits[:, vocab] = linear(hidden, self._sub_head).float()
-        return logits
+        return linear(hidden, self._sub_head).float(), vocab
+
+    def draft_logits(self, policy: CausalLM, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [B, d] -> logits [B, V] float32, -inf outside the draft vocabulary."""
+        logits, vocab = self.draft_logits_in_vocab(policy, hidden)
+        if vocab is None:
+            return logits
+        full = logits.new_full((logits.shape[0], policy.config.vocab_size), float("-inf"))
+        full[:, vocab] = logits
+        return full
 
     def teacher_forced(self, policy: CausalLM, hidden: torch.Tensor, tokens: torch.Tensor) -> list[torch.Tensor]:
         """Training forward over whole sequences.
