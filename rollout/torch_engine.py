@@ -204,36 +204,39 @@ class TorchEngine:
         self.adaptive.costs = self.costs[st.batch]
         return self.adaptive
 
-    def measure_costs(self, ctx: RoundContext, st: DecodeState, k_max: int, repeats: int = 3) -> CostModel:
-        """V(n) for n = 1..k_max+1 and one draft step, timed on this state's bucket (medians).
+    def measure_costs(self, ctx: RoundContext, st: DecodeState, k_max: int, repeats: int = 5) -> CostModel:
+        """V(n) for n = 1..k_max+1 and one draft step, timed on this state's bucket: medians of
+        `repeats` rounds that time every forward once each, interleaved, so that a burst of load
+        on a shared machine hits all of them rather than skewing one V(n).
 
         The forwards write cache entries at positions >= c-1 only, which every later forward
         rewrites before reading, so measuring leaves the decode state intact."""
         c = st.committed
         rows = torch.arange(st.batch, device=c.device)
 
-        def timed(fn) -> float:
-            fn()                                           # compiles on first use
-            ts = []
-            for _ in range(repeats):
-                if c.device.type == "cuda":
-                    torch.cuda.synchronize()
-                t0 = time.perf_counter()
-                fn()
-                if c.device.type == "cuda":
-                    torch.cuda.synchronize()
-                ts.append(time.perf_counter() - t0)
-            return sorted(ts)[len(ts) // 2]
+        def timed_once(fn) -> float:
+            if c.device.type == "cuda":
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            fn()
+            if c.device.type == "cuda":
+                torch.cuda.synchronize()
+            return time.perf_counter() - t0
 
         def verify(n):
             width = bucket(n, ctx.verify_widths)
             tokens = st.seq[rows[:, None], (c - 1)[:, None] + torch.arange(width, device=c.device)]
             return lambda: self.policy.compute_logits(self.forwards.target(tokens, c - 1, st.target)[:, :n])
 
-        times = [timed(verify(n)) for n in range(1, k_max + 2)]
         D, W = self.heads.num_depths, ctx.head_width
         pos = (c - 1)[:, None] + torch.arange(W, device=c.device)
         prev = st.hidden[rows[:, None], pos]
         toks = st.seq[rows[:, None], pos]
-        head = timed(lambda: draft_token(ctx, self.forwards.head(D - 1, prev, toks, pos, st.heads[D - 1])[:, 0]))
+        fns = [verify(n) for n in range(1, k_max + 2)]
+        fns.append(lambda: draft_token(ctx, self.forwards.head(D - 1, prev, toks, pos, st.heads[D - 1])[:, 0]))
+        for fn in fns:                                     # compiles on first use
+            fn()
+        samples = [[timed_once(fn) for fn in fns] for _ in range(repeats)]
+        med = [sorted(col)[len(col) // 2] for col in zip(*samples)]
+        times, head = med[:-1], med[-1]
         return CostModel(head=head / times[0], verify=tuple(t / times[0] for t in times))
