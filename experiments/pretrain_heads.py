@@ -18,6 +18,7 @@ import dataclasses
 import hashlib
 import io
 import json
+import os
 import resource
 import sys
 import time
@@ -227,7 +228,9 @@ def run(cfg: TrainHeadsConfig, resolved: str = "", policy=None, loaded=None) -> 
     result = train_heads(policy, train, cfg.train, draft_vocab=vocab, checkpoint=out, resume=cfg.resume,
                          meta_defaults=meta, progress=cfg.progress, on_eval=on_eval, eval_at_start=ev.at_start)
     train_s = time.perf_counter() - t_train
+    from experiments.ship_heads import cpu_name
     report = {"config": resolved, "out": str(out), "data": data_desc, "threads": torch.get_num_threads(),
+              "machine": f"{os.cpu_count()} cores of {cpu_name()}",
               "steps": result.steps, "losses": result.losses, "history": result.history,
               "final": result.history[-1] if result.history else None,
               "train_seconds_this_call": train_s, "eval_seconds": eval_seconds[0], "eval_build_seconds": eval_build_s,

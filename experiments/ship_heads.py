@@ -57,12 +57,14 @@ def model_card(report: dict, meta, model: str, command: str, wall_s: float | Non
              f"- Draft vocabulary: {meta.draft_vocab_size} token ids (most frequent trained tokens + EOS)",
              f"- Training throughput: {report['train_tokens_per_s']:.0f} sequence tokens/s "
              f"({report['train_rows_per_s']:.0f} trained (position, step) rows/s), {report['threads']} torch threads, "
-             "2 shared AMD EPYC cores",
+             f"{report.get('machine') or cpu_name()}",
              f"- Wall time: {wall_s if wall_s is not None else report['seconds_total']:.0f} s in all "
              f"(training {report['train_seconds_this_call']:.0f} s of the last call, periodic evaluation "
              f"{report['eval_seconds']:.0f} s); peak RSS {report['peak_rss_gb']:.2f} GB", "",
              "## Held-out teacher-forced acceptance (conditional, per draft position)", ""]
     lines += _table(final.get("heldout", {}))
+    for key in sorted(k for k in final if k.startswith("heldout_")):
+        lines += ["", f"Held-out split of the `{key.removeprefix('heldout_')}` source alone:", ""] + _table(final[key])
     if "train" in final:
         lines += ["", "On training sequences (the train / held-out gap):", ""] + _table(final["train"])
     lines += ["", "Rejection = E[1 - TV(p, q)] (drafts sampled from q); greedy = E[p(argmax q)]; tau = expected",
@@ -70,13 +72,29 @@ def model_card(report: dict, meta, model: str, command: str, wall_s: float | Non
               "scored. Measured by mtp_heads.evaluate on the held-out split of the token store.", "",
               "## Scaling curve (held-out and training acceptance vs steps, T = 1, rejection)", "",
               "| step | held-out pos 1/2/3 | held-out tau | train pos 1/2/3 | train tau |", "|---|---|---|---|---|"]
+    sources = sorted(k for k in final if k.startswith("heldout_"))
+    if sources:
+        lines[-2] += "".join(f" {k.removeprefix('heldout_')} pos 1/2/3 | tau |" for k in sources)
+        lines[-1] += "---|---|" * len(sources)
     for h in report.get("history", []):
         T = max(h["heldout"], key=float)
         ho, tr = h["heldout"][T]["rejection"], h.get("train", {}).get(T, {}).get("rejection")
-        lines.append(f"| {h['step']} | {' / '.join(f'{a:.3f}' for a in ho['per_position'])} | {ho['tau']:.2f} | "
-                     + (f"{' / '.join(f'{a:.3f}' for a in tr['per_position'])} | {tr['tau']:.2f} |" if tr else "| |"))
+        row = (f"| {h['step']} | {' / '.join(f'{a:.3f}' for a in ho['per_position'])} | {ho['tau']:.2f} | "
+               + (f"{' / '.join(f'{a:.3f}' for a in tr['per_position'])} | {tr['tau']:.2f} |" if tr else " | |"))
+        for k in sources:
+            r = h.get(k, {}).get(T, {}).get("rejection")
+            row += f" {' / '.join(f'{a:.3f}' for a in r['per_position'])} | {r['tau']:.2f} |" if r else " | |"
+        lines.append(row)
     lines += ["", "## Resolved config", "", "```yaml", cfg_yaml.rstrip(), "```", ""]
     return "\n".join(lines)
+
+
+def cpu_name() -> str:
+    """The CPU model of this machine, for the card's throughput line."""
+    try:
+        return next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return "unknown CPU"
 
 
 def _seed(cfg_yaml: str) -> str:

@@ -264,6 +264,10 @@ def test_heldout_sources_are_scored_apart_and_at_step_0(policy, tmp_path, monkey
         assert h["heldout_onpolicy"] != h["heldout"]
     start, end = (report["history"][i]["heldout"][1.0]["rejection"]["per_position"][0] for i in (0, -1))
     assert start != end
+    from experiments.ship_heads import model_card
+    card = model_card(report, read_meta(tmp_path / "h.safetensors"), "tiny", "cmd", None, "abc")
+    assert "Held-out split of the `onpolicy` source alone" in card and "onpolicy pos 1/2/3" in card
+    assert report["machine"] in card
 
 
 def test_train_heads_cli_exits_0_after_a_real_run(policy, data, held_out, tmp_path, monkeypatch, capsys):
