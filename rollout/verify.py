@@ -6,9 +6,11 @@ norm(max(0, p - q)); when all k drafts pass, a *bonus* token is drawn from p.
 Temperature 0 is one-hot p and the same code then does exact greedy verification.
 
 Sampling is an exponential race (the Gumbel-max trick in probability space): token
-argmax_v p(v) / E_v with E_v ~ Exp(1), one uniform draw per candidate. It needs no cumulative
-sum and no host synchronisation (torch.multinomial checks its input on the host), and rows
-with zero mass never win unless the whole row is zero.
+argmax_v p(v) / E_v with E_v = -log(U_v) ~ Exp(1), one uniform draw per candidate. It needs no
+cumulative sum and no host synchronisation (torch.multinomial checks its input on the host), and
+rows with zero mass never win unless the whole row is zero. E_v comes from `torch.rand` and a log
+rather than `Tensor.exponential_`, which was 4x slower on CPU (12 ms for 8 x 49,152 candidates,
+most of a batch-8 round's accept phase).
 """
 from __future__ import annotations
 
@@ -47,8 +49,9 @@ def entropy(probs: torch.Tensor) -> torch.Tensor:
 def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
     """One token per row by the exponential race: probs [..., V] -> [...] int64.
 
-    P(argmax_v p_v / E_v = v) = p_v / sum(p) for independent E_v ~ Exp(1)."""
-    race = torch.empty_like(probs, dtype=torch.float32).exponential_(1.0, generator=generator)
+    P(argmax_v p_v / E_v = v) = p_v / sum(p) for independent E_v ~ Exp(1). U = 0 (rand's lower end)
+    gives E = inf and p / E = 0: finite everywhere, no NaN."""
+    race = torch.rand(probs.shape, generator=generator, device=probs.device, dtype=torch.float32).log_().neg_()
     return (probs.float() / race).argmax(-1)
 
 

@@ -58,12 +58,18 @@ def test_per_position_acceptance_matches_theory():
     # greedy mode: acceptance = p_j(argmax q_j)
     greedy_drafts = q.argmax(-1).expand(trials, k).clone()
     _, n_greedy = rejection_sample(greedy_drafts, None, target, gen)
+    checked = {"rejection": 0, "greedy": 0}
     for j in range(k):
-        for counts, theory in ((n, torch.minimum(p[j], q[j]).sum()), (n_greedy, p[j, q[j].argmax()])):
+        for mode, counts, theory in (("rejection", n, torch.minimum(p[j], q[j]).sum()),
+                                     ("greedy", n_greedy, p[j, q[j].argmax()])):
             reached = (counts >= j).sum().item()
+            if reached < 500:      # greedy drafts that p almost never takes: too few rows get this far
+                continue
             rate = (counts > j).sum().item() / reached
             se = (theory * (1 - theory) / reached) ** 0.5
-            assert abs(rate - theory.item()) < 5 * se + 1e-3, (j, rate, theory.item())
+            assert abs(rate - theory.item()) < 5 * se + 1e-3, (mode, j, rate, theory.item())
+            checked[mode] += 1
+    assert checked == {"rejection": k, "greedy": 2}, checked
 
 
 def test_output_layout_and_greedy_exactness():
