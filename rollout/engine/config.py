@@ -10,8 +10,9 @@ class EngineConfig:
     compiled and eager give the same tokens; speculation is lossless either way)."""
 
     # torch.compile the decoder layer and head block (inductor; GPU: CUDA graphs). False = eager,
-    # for debugging. None = auto: compile on GPU for models with >= 20M parameters; eager on CPU,
-    # where minutes of compile time were not shown to pay back (experiments/LOG.md 2026-12-01).
+    # for debugging. None = auto: compile models with >= 20M parameters on GPU and in bfloat16 on
+    # CPU (SmolLM2 bf16 on an AMX CPU: 18.3 vs ~11 tok/s plain at batch 1, 12-38 s of compile time;
+    # float32 on CPU stays eager, where compiling was not shown to pay: experiments/LOG.md).
     compile: bool | None = None
     # batch sizes compiled for; a batch runs in the smallest bucket that holds it, finished rows
     # are compacted into a smaller bucket as soon as the active ones fit.
