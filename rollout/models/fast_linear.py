@@ -22,6 +22,11 @@ import torch.nn.functional as F
 from torch import nn
 
 PACKED_MAX_ROWS = 64   # inputs with more rows than this take F.linear (faster for prefill-sized inputs)
+# OFF: with the packed path on, SmolLM2-135M in bf16 answered "What is the capital of France?" at T = 0
+# with gibberish, while every single product checked here equals F.linear bit for bit (tests and a check
+# on SmolLM2's own weights). Found at the end of session 4; the cause is not known yet
+# (experiments/LOG.md). Leave off until an end-to-end bf16 SmolLM2 check passes with it on.
+ENABLED = False
 
 
 def _packing_supported() -> bool:
@@ -33,7 +38,7 @@ _SUPPORTED: bool | None = None
 
 def _use_packed(x: torch.Tensor, weight: torch.Tensor) -> bool:
     global _SUPPORTED
-    if x.device.type != "cpu" or x.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16:
+    if not ENABLED or x.device.type != "cpu" or x.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16:
         return False
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
         return False
