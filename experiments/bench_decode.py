@@ -17,7 +17,6 @@ from __future__ import annotations
 import dataclasses
 import datetime as dt
 import json
-import platform
 import statistics
 import subprocess
 import sys
@@ -26,6 +25,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from experiments.ship_heads import cpu_name
 from rollout.engine.config import EngineConfig
 from rollout.engine.round import PHASES
 from rollout.models.decoder import CausalLM
@@ -80,10 +80,7 @@ def load_bench_config(argv: list[str]) -> tuple[BenchDecodeConfig, str]:
 
 
 def machine() -> str:
-    try:
-        cpu = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
-    except (OSError, StopIteration):
-        cpu = platform.processor()
+    cpu = cpu_name()
     try:
         load = open("/proc/loadavg").read().split()[:3]
     except OSError:

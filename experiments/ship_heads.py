@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import platform
 import subprocess
 from dataclasses import replace
 from pathlib import Path
@@ -62,8 +63,9 @@ def model_card(report: dict, meta, model: str, command: str, wall_s: float | Non
              f"(training {report['train_seconds_this_call']:.0f} s of the last call, periodic evaluation "
              f"{report['eval_seconds']:.0f} s); peak RSS {report['peak_rss_gb']:.2f} GB", "",
              "## Held-out teacher-forced acceptance (conditional, per draft position)", ""]
+    sources = sorted(k for k in final if k.startswith("heldout_"))   # eval.heldout_sources, scored apart
     lines += _table(final.get("heldout", {}))
-    for key in sorted(k for k in final if k.startswith("heldout_")):
+    for key in sources:
         lines += ["", f"Held-out split of the `{key.removeprefix('heldout_')}` source alone:", ""] + _table(final[key])
     if "train" in final:
         lines += ["", "On training sequences (the train / held-out gap):", ""] + _table(final["train"])
@@ -72,7 +74,6 @@ def model_card(report: dict, meta, model: str, command: str, wall_s: float | Non
               "scored. Measured by mtp_heads.evaluate on the held-out split of the token store.", "",
               "## Scaling curve (held-out and training acceptance vs steps, T = 1, rejection)", "",
               "| step | held-out pos 1/2/3 | held-out tau | train pos 1/2/3 | train tau |", "|---|---|---|---|---|"]
-    sources = sorted(k for k in final if k.startswith("heldout_"))
     if sources:
         lines[-2] += "".join(f" {k.removeprefix('heldout_')} pos 1/2/3 | tau |" for k in sources)
         lines[-1] += "---|---|" * len(sources)
@@ -94,7 +95,7 @@ def cpu_name() -> str:
     try:
         return next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
     except (OSError, StopIteration):
-        return "unknown CPU"
+        return platform.processor() or "unknown CPU"
 
 
 def _seed(cfg_yaml: str) -> str:

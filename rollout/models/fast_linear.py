@@ -21,6 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from rollout.models.dtypes import preferred_dtype
+
 PACKED_MAX_ROWS = 64   # inputs with more rows than this take F.linear (faster for prefill-sized inputs)
 # OFF: with the packed path on, SmolLM2-135M in bf16 answered "What is the capital of France?" at T = 0
 # with gibberish, while every single product checked here equals F.linear bit for bit (tests and a check
@@ -30,7 +32,7 @@ ENABLED = False
 
 
 def _packing_supported() -> bool:
-    return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    return preferred_dtype("cpu") == torch.bfloat16     # oneDNN computes bf16 natively on this CPU
 
 
 _SUPPORTED: bool | None = None

@@ -85,7 +85,7 @@ class VLLMEngine:
             self._check_heads(heads)
             p = policy.model.embed_tokens.weight
             self.heads = heads.to(device=p.device, dtype=p.dtype).eval()
-        self.nonfinite_heads: list[str] = self._nonfinite_head_tensors()   # zeroed in vLLM's drafter
+        self.nonfinite_heads: list[str] = self._drafter_weights()[1] if self.heads is not None else []
         self._llm = None
         self._spec_key: tuple[int, str] | None = None
         self.num_starts = 0                                  # vLLM instances started (tests: no restart)
@@ -104,14 +104,15 @@ class VLLMEngine:
                            "heads is used (the torch engine would use depths 2..%d too); recurrent one-depth "
                            "heads draft the same way in both engines", heads.num_depths, heads.num_depths)
 
-    def _nonfinite_head_tensors(self) -> list[str]:
+    def _drafter_weights(self) -> tuple[dict[str, torch.Tensor], list[str]]:
+        """The heads' drafter tensors with NaN/inf zeroed, and the names of those that had any (logged)."""
         from rollout.vllm.export import drafter_state_dict, finite_drafter_weights
 
-        bad = [] if self.heads is None else finite_drafter_weights(drafter_state_dict(self.heads))[1]
+        weights, bad = finite_drafter_weights(drafter_state_dict(self.heads))
         if bad:
             logger.warning("MTP head tensors %s hold NaN/inf: vLLM drafts with those entries zeroed (outputs "
                            "unchanged, acceptance lower; counted as nonfinite_draft_rounds)", bad[:5])
-        return bad
+        return weights, bad
 
     @property
     def _max_model_len(self) -> int:
@@ -227,12 +228,9 @@ class VLLMEngine:
         """New head weights into the running drafter (vLLM's in-place reload); no restart."""
         load_heads_update(self.heads, state_dict)
         self.head_version = version
-        self.nonfinite_heads = self._nonfinite_head_tensors()
+        finite, self.nonfinite_heads = self._drafter_weights()
         if self._llm is not None and self._spec_key[0] > 0:
-            from rollout.vllm.export import drafter_state_dict, finite_drafter_weights
-
             dtype = getattr(torch, self.config.dtype)
-            finite = finite_drafter_weights(drafter_state_dict(self.heads))[0]
             weights = [(n, t.to(dtype)) for n, t in finite.items()]
             vocab = getattr(self.heads, DRAFT_VOCAB, None)      # MTPHeads.load_state_dict may change it
             weights.append((DRAFT_VOCAB, torch.zeros(0, dtype=torch.long) if vocab is None else vocab.cpu()))
