@@ -47,7 +47,8 @@ def model_card(report: dict, meta, model: str, command: str, wall_s: float | Non
     data = report["data"]
     steps = report["steps"]
     lines = [f"# Draft heads for {model}", "",
-             "A one-layer recurrent drafter (`MTPHeads`, num_depths = 1, applied to its own output for every",
+             f"A recurrent drafter of {meta.num_layers} decoder layer(s) (`MTPHeads`, num_depths = {meta.num_depths}, "
+             f"num_layers = {meta.num_layers}, applied to its own output for every",
              "draft position, the EAGLE-style drafter vLLM runs), trained with training-time test by",
              "`mtp-rollout train-heads`. Loaded by `mtp_heads.shipped.load_shipped_heads(policy, model)`.", "",
              "## How it was made", "",

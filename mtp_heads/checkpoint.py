@@ -43,6 +43,7 @@ class HeadMeta:
     vocab_size: int
     num_depths: int
     loss: str = "unknown"
+    num_layers: int = 1                  # decoder layers per depth (checkpoints before it had one)
     steps: int = 0
     head_version: int = 0
     created: float = 0.0                 # unix time of the write; 0 = fill in on save
@@ -55,7 +56,8 @@ class HeadMeta:
     def for_heads(cls, heads: MTPHeads, **kw) -> "HeadMeta":
         cfg = heads.policy_config
         return cls(policy_fingerprint=cfg.fingerprint(), hidden_size=cfg.hidden_size,
-                   vocab_size=cfg.vocab_size, num_depths=heads.num_depths, **kw)
+                   vocab_size=cfg.vocab_size, num_depths=heads.num_depths,
+                   num_layers=heads.num_layers, **kw)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)
@@ -86,11 +88,11 @@ def save_heads(path: str | os.PathLike, heads: MTPHeads, meta: HeadMeta) -> Head
     """Write heads (+ draft vocabulary) and meta atomically; returns the meta actually written."""
     path = Path(path)
     cfg = heads.policy_config
-    expected = (cfg.fingerprint(), cfg.hidden_size, cfg.vocab_size, heads.num_depths)
-    given = (meta.policy_fingerprint, meta.hidden_size, meta.vocab_size, meta.num_depths)
+    expected = (cfg.fingerprint(), cfg.hidden_size, cfg.vocab_size, heads.num_depths, heads.num_layers)
+    given = (meta.policy_fingerprint, meta.hidden_size, meta.vocab_size, meta.num_depths, meta.num_layers)
     if expected != given:
-        raise ValueError(f"HeadMeta {given} does not describe these heads {expected} "
-                         "(fingerprint, hidden size, vocab size, depths); build it with HeadMeta.for_heads")
+        raise ValueError(f"HeadMeta {given} does not describe these heads {expected} (fingerprint, hidden "
+                         "size, vocab size, depths, layers per depth); build it with HeadMeta.for_heads")
     vocab = draft_vocab_of(heads)
     meta = _replace(meta, created=meta.created or time.time(),
                     draft_vocab_size=0 if vocab is None else int(vocab.numel()))
@@ -150,10 +152,10 @@ def load_heads(path: str | os.PathLike, policy: CausalLM) -> tuple[MTPHeads, Hea
         for key in f.keys():
             tensors[key] = f.get_tensor(key)
     vocab = tensors.pop(DRAFT_VOCAB_KEY, None)
-    heads = MTPHeads(policy.config, meta.num_depths)
+    heads = MTPHeads(policy.config, meta.num_depths, meta.num_layers)
     missing, unexpected = heads.load_state_dict(tensors, strict=False)
     if missing or unexpected:
-        raise ValueError(f"heads at {path} do not match a {meta.num_depths}-depth MTPHeads: "
+        raise ValueError(f"heads at {path} do not match a {meta.num_depths}-depth, {meta.num_layers}-layer MTPHeads: "
                          f"missing {missing[:4]}, unexpected {unexpected[:4]}; re-train them")
     p = policy.model.embed_tokens.weight
     heads = heads.to(device=p.device, dtype=p.dtype)

@@ -3,13 +3,17 @@
 Depth j at position i reads the previous depth's hidden state at i (the policy's final-norm
 hidden state for j = 1) and the embedding of token x_{i+j}, and predicts x_{i+j+1}:
 
-    h^j_i = norm_j(block_j(eh_proj_j([enorm_j(emb(x_{i+j})), hnorm_j(h^{j-1}_i)]))),
+    h^j_i = norm_j(blocks_j(eh_proj_j([enorm_j(emb(x_{i+j})), hnorm_j(h^{j-1}_i)]))),
     q_j(. | x_<=i+j) = softmax(W h^j_i / T)
 
-The embedding `emb` and the LM head `W` are the policy's own (shared and frozen), so a head
-checkpoint only holds the per-depth modules. Drafting k > D tokens reuses depth D.
+`blocks_j` is one decoder layer (DeepSeek-V3, EAGLE) or a stack of `num_layers` of them, which
+buys capacity: a one-layer head on a 135M policy stopped improving with more data and steps
+(experiments/LOG.md). The embedding `emb` and the LM head `W` are the policy's own (shared and
+frozen), so a head checkpoint only holds the per-depth modules. Drafting k > D tokens reuses depth D.
 """
 from __future__ import annotations
+
+import re
 
 import torch
 from torch import nn
@@ -20,31 +24,49 @@ from rollout.models.fast_linear import Linear, linear
 
 
 class MTPDepth(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, num_layers: int = 1):
         super().__init__()
         d = cfg.hidden_size
         self.enorm = RMSNorm(d, cfg.rms_norm_eps)
         self.hnorm = RMSNorm(d, cfg.rms_norm_eps)
         self.eh_proj = Linear(2 * d, d, bias=False)
-        self.block = DecoderLayer(cfg)
+        self.blocks = nn.ModuleList(DecoderLayer(cfg) for _ in range(num_layers))
         self.norm = RMSNorm(d, cfg.rms_norm_eps)
+
+    def input(self, prev_hidden: torch.Tensor, token_embeds: torch.Tensor) -> torch.Tensor:
+        # prev_hidden, token_embeds [B, T, d] -> the first block's input [B, T, d]
+        return self.eh_proj(torch.cat([self.enorm(token_embeds), self.hnorm(prev_hidden)], dim=-1))
 
     def forward(self, prev_hidden: torch.Tensor, token_embeds: torch.Tensor, positions: torch.Tensor,
                 rope: tuple[torch.Tensor, torch.Tensor], cache: KVCache | None) -> torch.Tensor:
-        # prev_hidden, token_embeds [B, T, d]; positions [B, T] -> hidden [B, T, d] (after norm)
-        x = self.eh_proj(torch.cat([self.enorm(token_embeds), self.hnorm(prev_hidden)], dim=-1))
-        return self.norm(self.block(x, rope, positions, cache, 0))
+        # prev_hidden, token_embeds [B, T, d]; positions [B, T] -> hidden [B, T, d] (after norm);
+        # cache holds one layer per block
+        x = self.input(prev_hidden, token_embeds)
+        for i, block in enumerate(self.blocks):
+            x = block(x, rope, positions, cache, i)
+        return self.norm(x)
+
+
+def renamed_single_block(state_dict: dict) -> dict:
+    """Checkpoints from before stacked blocks name the one layer `depths.j.block.*`: now `blocks.0`."""
+    return {re.sub(r"^depths\.(\d+)\.block\.", r"depths.\1.blocks.0.", k): v for k, v in state_dict.items()}
+
+
+def layers_in_state_dict(state_dict: dict) -> int:
+    """Decoder layers per depth of a head state dict (1 for the older single-`block` names)."""
+    found = {int(m.group(1)) for k in state_dict if (m := re.match(r"depths\.0\.blocks\.(\d+)\.", k))}
+    return max(found) + 1 if found else 1
 
 
 class MTPHeads(nn.Module):
     """D chained depths built against one policy architecture (see `policy_fingerprint`)."""
 
-    def __init__(self, policy_config: ModelConfig, num_depths: int):
+    def __init__(self, policy_config: ModelConfig, num_depths: int, num_layers: int = 1):
         super().__init__()
-        if num_depths < 1:
-            raise ValueError(f"num_depths must be >= 1, got {num_depths}")
+        if num_depths < 1 or num_layers < 1:
+            raise ValueError(f"num_depths and num_layers must be >= 1, got {num_depths}, {num_layers}")
         self.policy_config = policy_config
-        self.depths = nn.ModuleList(MTPDepth(policy_config) for _ in range(num_depths))
+        self.depths = nn.ModuleList(MTPDepth(policy_config, num_layers) for _ in range(num_depths))
 
     def set_draft_vocab(self, draft_vocab: torch.Tensor | None) -> None:
         """Restrict drafting to these token ids (None = full vocabulary). Part of the state dict,
@@ -60,7 +82,7 @@ class MTPHeads(nn.Module):
         self.register_buffer("draft_vocab", torch.unique(ids).to(device), persistent=True)
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
-        state_dict = dict(state_dict)
+        state_dict = renamed_single_block(state_dict)
         self.set_draft_vocab(state_dict.get("draft_vocab"))  # its size may differ: re-register first
         if "draft_vocab" in state_dict:
             state_dict["draft_vocab"] = self.draft_vocab
@@ -69,6 +91,11 @@ class MTPHeads(nn.Module):
     @property
     def num_depths(self) -> int:
         return len(self.depths)
+
+    @property
+    def num_layers(self) -> int:
+        """Decoder layers per depth."""
+        return len(self.depths[0].blocks)
 
     @property
     def policy_fingerprint(self) -> str:
@@ -85,7 +112,7 @@ class MTPHeads(nn.Module):
 
     def new_caches(self, batch: int, max_len: int, dtype: torch.dtype, device) -> list[KVCache]:
         cfg = self.policy_config
-        return [KVCache(1, batch, max_len, cfg.num_key_value_heads, cfg.dim_per_head, dtype, device)
+        return [KVCache(self.num_layers, batch, max_len, cfg.num_key_value_heads, cfg.dim_per_head, dtype, device)
                 for _ in self.depths]
 
     def depth_forward(self, j: int, policy: CausalLM, prev_hidden: torch.Tensor, tokens: torch.Tensor,
@@ -140,16 +167,37 @@ class MTPHeads(nn.Module):
         return outs
 
 
-def init_heads(policy: CausalLM, num_depths: int, seed: int = 0) -> MTPHeads:
-    """Heads whose block is a copy of the policy's last layer and whose projection passes the
-    hidden state through: a better start than random (drafting = the policy's own next guess)."""
+def init_heads(policy: CausalLM, num_depths: int, seed: int = 0, num_layers: int = 1) -> MTPHeads:
+    """Heads whose blocks are copies of the policy's last `num_layers` layers and whose projection
+    passes the hidden state through: a better start than random (drafting = the policy's own next guess)."""
     torch.manual_seed(seed)
-    heads = MTPHeads(policy.config, num_depths)
+    heads = MTPHeads(policy.config, num_depths, num_layers)
     d = policy.config.hidden_size
     with torch.no_grad():
         for depth in heads.depths:
-            depth.block.load_state_dict(policy.model.layers[-1].state_dict())
+            for block, layer in zip(depth.blocks, policy.model.layers[-num_layers:]):
+                block.load_state_dict(layer.state_dict())
             depth.eh_proj.weight.copy_(torch.cat([0.1 * torch.randn(d, d) / d ** 0.5, torch.eye(d)], dim=1))
             depth.norm.weight.copy_(policy.model.norm.weight)
     p = policy.model.embed_tokens.weight
     return heads.to(device=p.device, dtype=p.dtype)
+
+
+def grow_layers(heads: MTPHeads, policy: CausalLM, num_layers: int) -> MTPHeads:
+    """The same drafter with `num_layers` layers per depth: the added layers (copies of the policy's
+    last layer) have their residual branches zeroed, so they start as the identity and the grown
+    heads draft exactly what `heads` drafted; training then uses the new capacity."""
+    if num_layers < heads.num_layers:
+        raise ValueError(f"cannot shrink heads from {heads.num_layers} to {num_layers} layers per depth")
+    grown = MTPHeads(heads.policy_config, heads.num_depths, num_layers)
+    p = next(heads.parameters())
+    grown = grown.to(device=p.device, dtype=p.dtype)
+    missing, _ = grown.load_state_dict(heads.state_dict(), strict=False)
+    assert all(".blocks." in m for m in missing), missing
+    with torch.no_grad():
+        for depth in grown.depths:
+            for block in depth.blocks[heads.num_layers:]:
+                block.load_state_dict(policy.model.layers[-1].state_dict())
+                block.self_attn.o_proj.weight.zero_()
+                block.mlp.down_proj.weight.zero_()
+    return grown

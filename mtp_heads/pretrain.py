@@ -27,7 +27,7 @@ from tqdm.auto import tqdm
 
 from mtp_heads.checkpoint import HeadMeta, draft_vocab_of, load_heads, save_heads, set_draft_vocab
 from mtp_heads.distill import DistillBatch, DraftVocabMap, batch_from_sequences, check_objective, distill_loss
-from mtp_heads.heads import MTPHeads, init_heads
+from mtp_heads.heads import MTPHeads, grow_layers, init_heads
 from rollout.fileio import atomic_write
 from rollout.models.decoder import CausalLM
 
@@ -57,7 +57,9 @@ def _default_phases() -> list[Phase]:
 class TrainConfig:
     """How heads are trained (the `train` section of configs/train_heads.yaml)."""
 
-    num_depths: int = 1                # distinct head layers; 1 = the recurrent (EAGLE-style) drafter
+    num_depths: int = 1                # distinct head depths; 1 = the recurrent (EAGLE-style) drafter
+    num_layers: int = 1                # decoder layers per depth; a 1-layer init checkpoint is grown
+                                       # to this with identity-started layers (heads.grow_layers)
     unroll_steps: int = 3              # draft steps trained per chain (training-time test); >= num_depths
     phases: list[Phase] = field(default_factory=_default_phases)   # the objective schedule
     batch_tokens: int = 2048           # sequence tokens per optimiser step (after cropping)
@@ -74,9 +76,9 @@ class TrainConfig:
     seed: int = 0                      # initialisation and batch order
 
     def __post_init__(self) -> None:
-        if self.num_depths < 1 or self.unroll_steps < self.num_depths:
-            raise ValueError(f"need num_depths >= 1 and unroll_steps >= num_depths, got "
-                             f"{self.num_depths}, {self.unroll_steps}")
+        if self.num_depths < 1 or self.num_layers < 1 or self.unroll_steps < self.num_depths:
+            raise ValueError(f"need num_depths >= 1, num_layers >= 1 and unroll_steps >= num_depths, got "
+                             f"{self.num_depths}, {self.num_layers}, {self.unroll_steps}")
         if not self.phases:
             raise ValueError("phases must list at least one (objective, steps, lr)")
         if self.batch_tokens < 1 or self.max_seq_len < self.unroll_steps + 2:
@@ -103,29 +105,30 @@ class TrainConfig:
 # ----------------------------------------------------------------------------------- initialisation
 
 
-def _last_layer_init(policy: CausalLM, num_depths: int, seed: int, data) -> MTPHeads:
-    return init_heads(policy, num_depths, seed=seed)
+def _last_layer_init(policy: CausalLM, num_depths: int, num_layers: int, seed: int, data) -> MTPHeads:
+    return init_heads(policy, num_depths, seed=seed, num_layers=num_layers)
 
 
-def _identity_init(policy: CausalLM, num_depths: int, seed: int, data) -> MTPHeads:
+def _identity_init(policy: CausalLM, num_depths: int, num_layers: int, seed: int, data) -> MTPHeads:
     """Each depth starts as (almost) the identity on h, so q starts at the policy's own p_i: block
     residual branches zeroed, eh_proj = [0 | I], output norm at the hidden states' median RMS.
     (Measured worse than last_layer: experiments/LOG.md, 2026-11-29.)"""
-    heads = init_heads(policy, num_depths, seed=seed)
+    heads = init_heads(policy, num_depths, seed=seed, num_layers=num_layers)
     h = torch.cat([torch.as_tensor(data[i].hidden).float() for i in range(min(len(data), 8))]) if len(data) else None
     rms = float(h.pow(2).mean(1).sqrt().median()) if h is not None else 1.0
     d = policy.config.hidden_size
     with torch.no_grad():
+        for block in (b for depth in heads.depths for b in depth.blocks):
+            block.self_attn.o_proj.weight.zero_()
+            block.mlp.down_proj.weight.zero_()
         for depth in heads.depths:
-            depth.block.self_attn.o_proj.weight.zero_()
-            depth.block.mlp.down_proj.weight.zero_()
             depth.eh_proj.weight.copy_(torch.cat([torch.zeros(d, d), torch.eye(d)], dim=1))
             depth.hnorm.weight.fill_(1.0)
             depth.norm.weight.fill_(rms)
     return heads
 
 
-HEAD_INITS: dict[str, Callable[[CausalLM, int, int, object], MTPHeads]] = {
+HEAD_INITS: dict[str, Callable[[CausalLM, int, int, int, object], MTPHeads]] = {
     "last_layer": _last_layer_init,      # heads.init_heads: a copy of the policy's last layer
     "identity": _identity_init,
 }
@@ -134,11 +137,15 @@ HEAD_INITS: dict[str, Callable[[CausalLM, int, int, object], MTPHeads]] = {
 def initial_heads(policy: CausalLM, cfg: TrainConfig, data, draft_vocab: torch.Tensor | None) -> MTPHeads:
     """Fresh heads (HEAD_INITS) or a checkpoint to fine-tune; `draft_vocab` overrides the checkpoint's."""
     if cfg.init in HEAD_INITS:
-        heads = HEAD_INITS[cfg.init](policy, cfg.num_depths, cfg.seed, data)
+        heads = HEAD_INITS[cfg.init](policy, cfg.num_depths, cfg.num_layers, cfg.seed, data)
         return set_draft_vocab(heads, draft_vocab)
     heads, meta = load_heads(cfg.init, policy)
     if meta.num_depths != cfg.num_depths:
         raise ValueError(f"init={cfg.init} has {meta.num_depths} depths, train.num_depths is {cfg.num_depths}")
+    if meta.num_layers > cfg.num_layers:
+        raise ValueError(f"init={cfg.init} has {meta.num_layers} layers per depth, train.num_layers is "
+                         f"{cfg.num_layers}; heads can grow, not shrink")
+    heads = grow_layers(heads, policy, cfg.num_layers)
     if draft_vocab is not None:
         set_draft_vocab(heads, draft_vocab)
     return heads

@@ -9,6 +9,7 @@ position whose policy state h_t is known) like this:
 * steps s > D (recurrence): depth D is applied again to its own step-(s-1) output and the next
   token x_{t+s}, at position t+s-D, and its attention sees depth D's step-D keys at positions
   <= t plus the keys of its own chain from steps D+1..s (EAGLE-3's training-time-test mask).
+  A depth with several blocks does this per block, each attending to its own keys.
 
 With D = 1 this is the EAGLE-style recurrent drafter that vLLM runs. `unroll` computes, for every
 chain start t of a sequence at once, the output of every step s = 1..k, so that a loss at every
@@ -26,28 +27,26 @@ import math
 
 import torch
 
-from mtp_heads.heads import MTPDepth, MTPHeads
-from rollout.models.decoder import CausalLM
+from mtp_heads.heads import MTPHeads
+from rollout.models.decoder import CausalLM, DecoderLayer
 
 
-def _qkv(depth: MTPDepth, policy: CausalLM, prev: torch.Tensor, tokens: torch.Tensor,
+def _qkv(block: DecoderLayer, policy: CausalLM, x: torch.Tensor,
          positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    # prev [B, n, d]; tokens [B, n]; positions [B, n] -> x [B, n, d] (residual stream), q [B, H, n, hd],
+    # x [B, n, d] the block's input (residual stream); positions [B, n] -> q [B, H, n, hd],
     # k, v [B, H, n, hd] (K/V repeated over query groups, as rollout.models.decoder.Attention does)
-    x = depth.eh_proj(torch.cat([depth.enorm(policy.model.embed_tokens(tokens)), depth.hnorm(prev)], dim=-1))
-    attn = depth.block.self_attn
-    q, k, v = attn.project_qkv(depth.block.input_layernorm(x), policy.model.rotary(positions))
+    attn = block.self_attn
+    q, k, v = attn.project_qkv(block.input_layernorm(x), policy.model.rotary(positions))
     groups = attn.n_heads // attn.n_kv
-    return x, q, k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    return q, k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
 
 
-def _finish(depth: MTPDepth, x: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
-    # x [B, n, d] residual stream; attn_out [B, H, n, hd] -> the depth's normed output [B, n, d]
-    attn = depth.block.self_attn
+def _finish(block: DecoderLayer, x: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
+    # x [B, n, d] the block's input; attn_out [B, H, n, hd] -> the block's output [B, n, d]
+    attn = block.self_attn
     B, H, n, hd = attn_out.shape
     x = x + attn.o_proj(attn_out.transpose(1, 2).reshape(B, n, H * hd))
-    x = x + depth.block.mlp(depth.block.post_attention_layernorm(x))
-    return depth.norm(x)
+    return x + block.mlp(block.post_attention_layernorm(x))
 
 
 def _causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -91,24 +90,31 @@ def unroll(heads: MTPHeads, policy: CausalLM,
     D = heads.num_depths
     dev = hidden.device
     outs: list[torch.Tensor] = []
-    prev, base = hidden, None
+    prev, base = hidden, []
     for s in range(1, min(steps, D) + 1):
         n = T - s
         if n <= 0:
             return outs
-        depth = heads.depths[s - 1]
-        x, q, k, v = _qkv(depth, policy, prev[:, :n], tokens[:, s:s + n], torch.arange(n, device=dev).expand(B, n))
-        prev = _finish(depth, x, _causal(q, k, v))
+        depth, positions = heads.depths[s - 1], torch.arange(n, device=dev).expand(B, n)
+        x, base = depth.input(prev[:, :n], policy.model.embed_tokens(tokens[:, s:s + n])), []
+        for block in depth.blocks:
+            q, k, v = _qkv(block, policy, x, positions)
+            x = _finish(block, x, _causal(q, k, v))
+            base.append((k, v))                       # depth D's keys per block, for the recurrence
+        prev = depth.norm(x)
         outs.append(prev)
-        base = (k, v)
-    depth, chain = heads.depths[D - 1], []
+    depth = heads.depths[D - 1]
+    chains: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in depth.blocks]
     for s in range(D + 1, steps + 1):
         n = T - s
         if n <= 0:
             break
         positions = (torch.arange(n, device=dev) + (s - D)).expand(B, n)
-        x, q, k, v = _qkv(depth, policy, prev[:, :n], tokens[:, s:s + n], positions)
-        chain.append((k, v))
-        prev = _finish(depth, x, _chain(q, base, chain))
+        x = depth.input(prev[:, :n], policy.model.embed_tokens(tokens[:, s:s + n]))
+        for block, block_base, chain in zip(depth.blocks, base, chains):
+            q, k, v = _qkv(block, policy, x, positions)
+            chain.append((k, v))
+            x = _finish(block, x, _chain(q, block_base, chain))
+        prev = depth.norm(x)
         outs.append(prev)
     return outs

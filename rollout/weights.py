@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from mtp_heads.heads import MTPHeads
+from mtp_heads.heads import MTPHeads, layers_in_state_dict
 from rollout.models.config import ModelConfig
 from rollout.models.decoder import CausalLM, build_model
 from rollout.models.dtypes import parse_dtype
@@ -102,6 +102,7 @@ def policy_from_flat(config: ModelConfig, flat: FlatWeights, dtype: str = "float
 def heads_from_flat(policy_config: ModelConfig, num_depths: int, flat: FlatWeights, dtype: str = "float32",
                     device: str = "cpu") -> MTPHeads:
     """MTPHeads (mtp_heads.heads) for `policy_config` holding the shipped weights."""
-    heads = MTPHeads(policy_config, num_depths)
-    heads.load_state_dict(unpack(flat))
+    state = unpack(flat)
+    heads = MTPHeads(policy_config, num_depths, layers_in_state_dict(state))
+    heads.load_state_dict(state)
     return heads.to(device=device, dtype=parse_dtype(dtype))

@@ -109,3 +109,39 @@ def test_default_heads_path_uses_cache_env(tmp_path, monkeypatch):
     p = default_heads_path("smollm2-135m", 3, "tv")
     assert p == tmp_path / "heads" / "smollm2-135m-D3-tv.safetensors"
     assert default_heads_path("/a b/model dir", 2, "ce").name == "a_b_model_dir-D2-ce.safetensors"
+
+
+def test_two_layer_heads_round_trip_and_old_single_block_names_load(tmp_path, tiny_policy):
+    heads = init_heads(tiny_policy, 1, seed=3, num_layers=2)
+    path = tmp_path / "h2.safetensors"
+    save_heads(path, heads, HeadMeta.for_heads(heads, loss="tv"))
+    loaded, meta = load_heads(path, tiny_policy)
+    assert meta.num_layers == 2 and loaded.num_layers == 2
+    for (name, a), b in zip(heads.state_dict().items(), loaded.state_dict().values()):
+        assert torch.equal(a, b), name
+    # checkpoints written before stacked blocks name the single layer `depths.j.block.*`
+    one = init_heads(tiny_policy, 1, seed=4)
+    old_names = {k.replace(".blocks.0.", ".block."): v for k, v in one.state_dict().items()}
+    assert any(".block." in k for k in old_names)
+    fresh = ckpt.MTPHeads(tiny_policy.config, 1)
+    fresh.load_state_dict(old_names)
+    for (name, a), b in zip(one.state_dict().items(), fresh.state_dict().values()):
+        assert torch.equal(a, b), name
+
+
+def test_grown_heads_draft_exactly_what_the_one_layer_heads_drafted(tiny_policy):
+    from mtp_heads.heads import grow_layers
+    one = init_heads(tiny_policy, 1, seed=5)
+    two = grow_layers(one, tiny_policy, 2)
+    assert two.num_layers == 2 and one.num_layers == 1
+    tokens = torch.randint(2, tiny_policy.config.vocab_size, (2, 10), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        hidden = tiny_policy.hidden_states(tokens)
+        a, b = one.teacher_forced(tiny_policy, hidden, tokens)[0], two.teacher_forced(tiny_policy, hidden, tokens)[0]
+    torch.testing.assert_close(a, b, rtol=0, atol=0)
+    # the added layer is trainable capacity, not a frozen identity: its zeroed output projections get gradients
+    two.requires_grad_(True)
+    two.teacher_forced(tiny_policy, hidden, tokens)[0].square().sum().backward()
+    assert float(two.depths[0].blocks[1].mlp.down_proj.weight.grad.abs().sum()) > 0
+    with pytest.raises(ValueError, match="cannot shrink"):
+        grow_layers(two, tiny_policy, 1)

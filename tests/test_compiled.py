@@ -44,6 +44,19 @@ def test_compiled_equals_eager_at_temperature_zero(compiled, eager, k, mode):
     assert compiled.forwards.compiled and not eager.forwards.compiled
 
 
+def test_compiled_two_layer_heads_equal_eager(model):
+    """Heads with two decoder layers per depth: one compiled graph over both blocks and their caches."""
+    from mtp_heads.heads import init_heads
+    policy, _ = model
+    heads = init_heads(policy, 1, seed=6, num_layers=2)
+    sp = SamplingParams(max_new_tokens=20, temperature=0, ignore_eos=True, num_draft_tokens=1)
+    runs = [TorchEngine(policy, heads, config=EngineConfig(compile=c, batch_buckets=(N,))).generate(PROMPTS, sp)
+            for c in (False, True)]
+    assert [c.tokens for c in runs[0].completions] == [c.tokens for c in runs[1].completions]
+    assert [c.round_accepted for c in runs[0].completions] == [c.round_accepted for c in runs[1].completions]
+    assert runs[1].spec_stats().num_accepted_tokens > 0
+
+
 def test_compiled_speculative_equals_compiled_plain_at_temperature_zero(compiled):
     plain = compiled.generate(PROMPTS, SamplingParams(max_new_tokens=20, temperature=0, ignore_eos=True))
     spec = compiled.generate(PROMPTS, SamplingParams(max_new_tokens=20, temperature=0, ignore_eos=True,

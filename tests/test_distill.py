@@ -57,9 +57,9 @@ def _force_drafts(monkeypatch, sequence):
     return seen
 
 
-@pytest.mark.parametrize("num_depths,k", [(1, 3), (1, 4), (2, 4), (3, 3)])
-def test_training_time_test_unroll_equals_engine_drafting(policy, num_depths, k, monkeypatch):
-    heads = _randomised(init_heads(policy, num_depths, seed=0), seed=num_depths)
+@pytest.mark.parametrize("num_depths,k,num_layers", [(1, 3, 1), (1, 4, 1), (2, 4, 1), (3, 3, 1), (1, 3, 2), (2, 4, 2)])
+def test_training_time_test_unroll_equals_engine_drafting(policy, num_depths, k, num_layers, monkeypatch):
+    heads = _randomised(init_heads(policy, num_depths, seed=0, num_layers=num_layers), seed=num_depths)
     seq = _greedy_sequence(policy, [5, 9, 2, 7], 24)
     seen = _force_drafts(monkeypatch, seq)
     out = TorchEngine(policy, heads).generate([seq[:4]], SamplingParams(
@@ -77,8 +77,9 @@ def test_training_time_test_unroll_equals_engine_drafting(policy, num_depths, k,
         assert int(mine.argmax()) == int(q.argmax())
 
 
-def test_unroll_within_depths_is_teacher_forcing(policy):
-    heads = _randomised(init_heads(policy, 3, seed=0), seed=7)
+@pytest.mark.parametrize("num_layers", [1, 2])
+def test_unroll_within_depths_is_teacher_forcing(policy, num_layers):
+    heads = _randomised(init_heads(policy, 3, seed=0, num_layers=num_layers), seed=7)
     tokens = torch.randint(2, 64, (2, 12), generator=torch.Generator().manual_seed(0))
     hidden = policy.hidden_states(tokens)
     for a, b in zip(unroll(heads, policy, hidden, tokens, 3), heads.teacher_forced(policy, hidden, tokens)):

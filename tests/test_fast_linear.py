@@ -10,10 +10,8 @@ from rollout.models import fast_linear
 from rollout.models.fast_linear import Linear, linear
 
 
-@pytest.fixture(autouse=True)
-def packed_path_on(monkeypatch):
-    """The packed path is switched off in the library (fast_linear.ENABLED); these tests check it on."""
-    monkeypatch.setattr(fast_linear, "ENABLED", True)
+def test_the_packed_path_is_on_by_default():
+    assert fast_linear.ENABLED
 
 
 def _weights(n: int = 96, k: int = 40, seed: int = 0) -> torch.Tensor:

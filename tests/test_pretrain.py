@@ -195,7 +195,7 @@ def test_draft_vocab_is_frequency_based_and_drafts_stay_inside(policy, data):
 
 
 def test_identity_init_drafts_the_policys_own_next_token_distribution(policy, data):
-    heads = HEAD_INITS["identity"](policy, 1, 0, data)
+    heads = HEAD_INITS["identity"](policy, 1, 1, 0, data)
     s = data[0]
     tok, hid = torch.tensor(s.tokens[None], dtype=torch.long), torch.from_numpy(s.hidden[None])
     out = heads.teacher_forced(policy, hid, tok)[0]

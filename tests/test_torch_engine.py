@@ -247,6 +247,43 @@ def test_bfloat16_tokens_equal_float32_tokens_except_at_near_ties(capsys):
     assert all(g < 0.05 for g in gaps)
 
 
+@pytest.mark.slow
+def test_smollm2_bfloat16_speculative_greedy_equals_float32_except_at_near_ties(capsys):
+    """End to end on the default model, bf16 with the packed linears (rollout.models.fast_linear) on:
+    greedy speculative decoding with the shipped heads gives float32's plain greedy text, except after
+    a near-tie, where the float32 logits of the two choices are within bf16's rounding of each other."""
+    from mtp_heads.shipped import load_shipped_heads
+    from rollout.engine.config import EngineConfig
+    from rollout.models import fast_linear
+    from rollout.models.loaders import apply_chat_template
+    from rollout.models.policy import load_policy
+    assert fast_linear.ENABLED
+    p32, loaded = load_policy("smollm2-135m", "float32")
+    p16, _ = load_policy("smollm2-135m", "bfloat16")
+    heads16, _ = load_shipped_heads(p16, "smollm2-135m")
+    questions = ["What is the capital of France?", "Name three primary colors.", "What is 12 times 7?",
+                 "Write a haiku about the sea.", "Why is the sky blue?", "List two uses of copper."]
+    prompts = [apply_chat_template(loaded, [{"role": "user", "content": q}]) for q in questions]
+    plain = TorchEngine(p32).generate(prompts, SamplingParams(max_new_tokens=24, temperature=0, ignore_eos=True))
+    spec = TorchEngine(p16, heads16, config=EngineConfig(compile=False)).generate(
+        prompts, SamplingParams(max_new_tokens=24, temperature=0, ignore_eos=True, num_draft_tokens=3))
+    assert spec.spec_stats().num_accepted_tokens > 0
+    gaps, same = [], 0
+    with torch.inference_mode():
+        for prompt, a, b in zip(prompts, plain.completions, spec.completions):
+            if a.tokens == b.tokens:
+                same += 1
+                continue
+            i = next(i for i, (x, y) in enumerate(zip(a.tokens, b.tokens)) if x != y)
+            logits = p32(torch.tensor([prompt + a.tokens[:i]]))[0, -1]
+            gaps.append(float(logits[a.tokens[i]] - logits[b.tokens[i]]))   # float32's margin for its choice
+    with capsys.disabled():
+        print(f"\nSmolLM2 bf16 (packed linears, k = 3) vs float32 plain at T=0: {same}/{len(prompts)} identical; "
+              f"float32 logit gaps where they diverge: {[round(g, 3) for g in gaps]}")
+    assert same >= len(prompts) // 2
+    assert all(0 <= g < 0.5 for g in gaps)
+
+
 def test_bfloat16_speculative_sampling_is_lossless():
     cfg = tiny_config(vocab_size=5)
     policy = random_model(cfg, seed=3, dtype=torch.bfloat16)

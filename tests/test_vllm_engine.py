@@ -178,11 +178,11 @@ def test_nonfinite_heads_slow_but_never_change_or_crash_vllm(engine, policy, goo
     nan_heads = copy.deepcopy(good_heads)
     with torch.no_grad():
         nan_heads.depths[0].eh_proj.weight[0, 0] = float("nan")
-        nan_heads.depths[0].block.mlp.up_proj.weight[1, :3] = float("inf")
+        nan_heads.depths[0].blocks[0].mlp.up_proj.weight[1, :3] = float("inf")
     plain = TorchEngine(policy).generate(prompts, SamplingParams(max_new_tokens=20, temperature=0.0, ignore_eos=True))
     engine.update_heads(nan_heads.state_dict(), version=5)
     try:
-        assert sorted(engine.nonfinite_heads) == ["depths.0.block.mlp.up_proj.weight", "depths.0.eh_proj.weight"]
+        assert sorted(engine.nonfinite_heads) == ["depths.0.blocks.0.mlp.up_proj.weight", "depths.0.eh_proj.weight"]
         greedy = engine.generate(prompts, _sp(0.0))
         sampled = engine.generate(prompts, _sp(1.0, "rejection"))
     finally:
@@ -209,12 +209,14 @@ def test_policy_refresh_logprobs_match_torch(engine, good_heads):
 
 # ------------------------------------------------------------------------------ rejection draft mode
 def test_rejection_mode_with_draft_vocab_matches_torch(engine, policy, good_heads, tmp_path):
-    """A second vLLM instance: rejection mode, heads with a reduced draft vocabulary (q = 0 outside)."""
+    """A second vLLM instance: rejection mode, two-layer heads (both vLLM blocks must be the torch
+    heads' blocks) with a reduced draft vocabulary (q = 0 outside)."""
     from mtp_heads.checkpoint import set_draft_vocab
     from rollout.vllm import VLLMEngine, VLLMEngineConfig
 
     engine.close()                                # one vLLM instance at a time on the test machine
-    heads = set_draft_vocab(copy.deepcopy(good_heads), torch.arange(0, CFG.vocab_size, 2))
+    two_layers = init_heads(policy, 1, seed=1, num_layers=2)
+    heads = set_draft_vocab(copy.deepcopy(two_layers), torch.arange(0, CFG.vocab_size, 2))
     ref = TorchEngine(policy, heads)
     engine = VLLMEngine(copy.deepcopy(policy), copy.deepcopy(heads),
                         config=VLLMEngineConfig(work_dir=str(tmp_path), max_model_len=512))
@@ -237,12 +239,14 @@ def test_rejection_mode_with_draft_vocab_matches_torch(engine, policy, good_head
     drafted = [t for c in theirs.completions for t in c.tokens]
     assert any(t % 2 for t in drafted)            # outputs are not limited to the draft vocabulary
     # a refresh carries the draft vocabulary (part of MTPHeads' state dict): clearing it must reach vLLM
-    engine.update_heads(good_heads.state_dict(), version=7)
-    cleared_t = TorchEngine(policy, good_heads).generate(prompts, _sp(0.0, "rejection"))
+    with pytest.raises(ValueError, match="1 depths, 2 layers per depth"):
+        engine.update_heads(good_heads.state_dict(), version=7)          # a one-layer drafter does not fit
+    engine.update_heads(two_layers.state_dict(), version=7)
+    cleared_t = TorchEngine(policy, two_layers).generate(prompts, _sp(0.0, "rejection"))
     cleared_v = engine.generate(prompts, _sp(0.0, "rejection"))
     assert [c.round_accepted for c in cleared_v.completions] == [c.round_accepted for c in cleared_t.completions]
-    # the recurrent drafter at temperature 1: conditional acceptance at every draft position (k = 3)
-    ours = TorchEngine(policy, good_heads).generate(prompts, _sp(1.0, "rejection", 48, seed=4))
+    # the recurrent two-layer drafter at temperature 1: conditional acceptance at every draft position (k = 3)
+    ours = TorchEngine(policy, two_layers).generate(prompts, _sp(1.0, "rejection", 48, seed=4))
     theirs = engine.generate(prompts, _sp(1.0, "rejection", 48, seed=4))
     _assert_same_per_position(theirs.spec_stats(), ours.spec_stats())
     assert engine.num_starts == 1

@@ -72,7 +72,7 @@ class Forwards:
         cos, sin = self.policy.model.rotary(positions)
         embeds = self.policy.model.embed_tokens(tokens)
         key = ("depth", tuple(tokens.shape), cache.max_len)
-        return self._call(key, self._depth, depth, prev, embeds, cos, sin, positions, cache.k[0], cache.v[0])
+        return self._call(key, self._depth, depth, prev, embeds, cos, sin, positions, cache.k, cache.v)
 
     def _call(self, key, fn, *args):
         if not self.compiled:
@@ -90,16 +90,17 @@ class Forwards:
         return sum(self.compile_times.values())
 
 
-def _one_layer_cache(k: torch.Tensor, v: torch.Tensor) -> KVCache:
+def _cache_of(k: list[torch.Tensor], v: list[torch.Tensor]) -> KVCache:
     cache = KVCache.__new__(KVCache)
-    cache.k, cache.v, cache.max_len = [k], [v], k.shape[1]
+    cache.k, cache.v, cache.max_len = list(k), list(v), k[0].shape[1]
     return cache
 
 
 def _layer_body(layer: DecoderLayer, x, cos, sin, positions, k_cache, v_cache) -> torch.Tensor:
     # x [B, T, d]; cos, sin [B, 1, T, hd]; positions [B, T]; k_cache, v_cache [B, L, H_kv, hd]
-    return layer(x, (cos, sin), positions, _one_layer_cache(k_cache, v_cache), 0)
+    return layer(x, (cos, sin), positions, _cache_of([k_cache], [v_cache]), 0)
 
 
-def _depth_body(depth: MTPDepth, prev, embeds, cos, sin, positions, k_cache, v_cache) -> torch.Tensor:
-    return depth(prev, embeds, positions, (cos, sin), _one_layer_cache(k_cache, v_cache))
+def _depth_body(depth: MTPDepth, prev, embeds, cos, sin, positions, k_caches, v_caches) -> torch.Tensor:
+    # k_caches, v_caches: one [B, L, H_kv, hd] per block of the depth
+    return depth(prev, embeds, positions, (cos, sin), _cache_of(k_caches, v_caches))

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from mtp_heads.heads import MTPHeads
+from mtp_heads.heads import MTPHeads, renamed_single_block
 from rollout.models.decoder import CausalLM
 from rollout.models.hf_loader import check_finite
 
@@ -34,14 +34,17 @@ def load_heads_update(heads: MTPHeads | None, state_dict: dict) -> None:
     """Load a head state dict in place (the draft vocabulary may change size)."""
     if heads is None:
         raise ValueError("this engine has no heads to update; construct it with heads first")
-    sd = {k: torch.as_tensor(v) for k, v in state_dict.items()}
+    sd = renamed_single_block({k: torch.as_tensor(v) for k, v in state_dict.items()})
     own = heads.state_dict()
     wrong = {k: (tuple(v.shape), tuple(own[k].shape)) for k, v in sd.items()
              if k in own and k != DRAFT_VOCAB and v.shape != own[k].shape}
     if wrong:
         raise ValueError(f"head weights do not fit this policy (name: given shape, expected): "
                          f"{dict(list(wrong.items())[:3])}; train or load heads for this policy")
-    try:
-        heads.load_state_dict(sd)
-    except RuntimeError as e:
-        raise ValueError(f"head weights do not match these {heads.num_depths}-depth heads: {e}") from None
+    missing = sorted(set(own) - set(sd) - {DRAFT_VOCAB})
+    unexpected = sorted(set(sd) - set(own) - {DRAFT_VOCAB})
+    if missing or unexpected:       # checked before load_state_dict, which sets the draft vocabulary first
+        raise ValueError(f"head weights do not match these heads ({heads.num_depths} depths, {heads.num_layers} "
+                         f"layers per depth; a different layout needs a new engine): missing {missing[:3]}, "
+                         f"unexpected {unexpected[:3]}")
+    heads.load_state_dict(sd)

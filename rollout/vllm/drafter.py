@@ -61,9 +61,9 @@ BLOCK_BUILDERS: dict[str, Callable[..., nn.Module]] = {
 
 
 class _Depth(nn.Module):
-    """One MTP depth with vLLM layers; parameter names follow `MTPDepth` (block.* stacked)."""
+    """One MTP depth with vLLM layers; parameter names follow `MTPDepth` (blocks.i.* stacked)."""
 
-    def __init__(self, vllm_config, config, prefix: str):
+    def __init__(self, vllm_config, config, block_prefixes: list[str]):
         super().__init__()
         from vllm.model_executor.layers.layernorm import RMSNorm
         from vllm.model_executor.layers.linear import ReplicatedLinear
@@ -77,14 +77,17 @@ class _Depth(nn.Module):
         self.enorm = RMSNorm(d, eps=config.rms_norm_eps)
         self.hnorm = RMSNorm(d, eps=config.rms_norm_eps)
         self.eh_proj = ReplicatedLinear(2 * d, d, bias=False, params_dtype=vllm_config.model_config.dtype,
-                                        prefix=f"{prefix}.eh_proj", return_bias=False)
-        self.block = BLOCK_BUILDERS[model_type](vllm_config, config, f"{prefix}.block")
+                                        prefix=f"{block_prefixes[0]}.eh_proj", return_bias=False)
+        # one attention layer (and KV cache) per block; vLLM wants one layer index in each name
+        self.blocks = nn.ModuleList(BLOCK_BUILDERS[model_type](vllm_config, config, p) for p in block_prefixes)
         self.norm = RMSNorm(d, eps=config.rms_norm_eps)
 
     def forward(self, embeds: torch.Tensor, positions: torch.Tensor, prev_hidden: torch.Tensor) -> torch.Tensor:
         # embeds, prev_hidden [N, d] (flattened tokens); positions [N] -> post-norm hidden [N, d]
         x = self.eh_proj(torch.cat([self.enorm(embeds), self.hnorm(prev_hidden)], dim=-1))
-        x, residual = self.block(positions, x, None)
+        residual = None
+        for block in self.blocks:           # vLLM layers pass (output, residual) on, fused-add norms
+            x, residual = block(positions, x, residual)
         return self.norm(x + residual)
 
 
@@ -93,8 +96,11 @@ class _Body(nn.Module):
 
     def __init__(self, vllm_config, config, prefix: str, first_layer: int):
         super().__init__()
-        # the attention layer name must not collide with the target's layers 0..L-1
-        self.depths = nn.ModuleList([_Depth(vllm_config, config, f"{prefix}.layers.{first_layer}")])
+        # the attention layer names must not collide with the target's layers 0..L-1
+        inner = getattr(config, "model", None)      # EAGLEConfig may keep config.json's keys on .model
+        layers = getattr(config, "mtp_rollout_num_layers", None) or getattr(inner, "mtp_rollout_num_layers", 1)
+        prefixes = [f"{prefix}.layers.{first_layer + i}" for i in range(layers)]
+        self.depths = nn.ModuleList([_Depth(vllm_config, config, prefixes)])
 
 
 class MtpRolloutDrafter(nn.Module):

@@ -42,11 +42,12 @@ def finite_drafter_weights(sd: dict[str, torch.Tensor]) -> tuple[dict[str, torch
 
 
 def export_drafter_dir(heads: MTPHeads, out_dir: str | Path, dtype: torch.dtype = torch.float32) -> Path:
-    """The policy's config.json with our drafter architecture and one layer, plus the depth-1 weights."""
+    """The policy's config.json with our drafter architecture and depth 1's layers, plus its weights."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     cfg = hf_config_dict(heads.policy_config, dtype)
-    cfg.update(architectures=[ARCHITECTURE], num_hidden_layers=1, mtp_rollout_num_depths=heads.num_depths,
+    cfg.update(architectures=[ARCHITECTURE], num_hidden_layers=heads.num_layers,
+               mtp_rollout_num_layers=heads.num_layers, mtp_rollout_num_depths=heads.num_depths,
                mtp_rollout_policy_fingerprint=heads.policy_fingerprint)
     (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
     tensors = {k: v.to(dtype) for k, v in finite_drafter_weights(drafter_state_dict(heads))[0].items()}
