@@ -12,7 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -99,12 +99,12 @@ def prompt_texts(n: int, *, held_out: bool, task_prompts: Sequence[str] = (),
     return tasks[:n_tasks] + [texts[i % len(texts)] for i in range(n - n_tasks)]
 
 
-def chat_prompts(loaded, n: int, *, held_out: bool, task_prompts: Sequence[str] = (),
+def chat_prompts(encode: Callable[[str], list[int]], n: int, *, held_out: bool, task_prompts: Sequence[str] = (),
                  task_fraction: float = 0.0) -> list[list[int]]:
-    """prompt_texts(...) as token lists through the model's chat template."""
-    from rollout.models.loaders import apply_chat_template
+    """prompt_texts(...) as token lists through `encode` (a codec's encode_prompt: the model's chat
+    template, or bytes for the tiny test model)."""
     chosen = prompt_texts(n, held_out=held_out, task_prompts=task_prompts, task_fraction=task_fraction)
-    return [apply_chat_template(loaded, [{"role": "user", "content": t}]) for t in chosen]
+    return [encode(t) for t in chosen]
 
 
 def weights_digest(policy: CausalLM) -> str:
@@ -169,12 +169,12 @@ def cached_token_data(policy: CausalLM, prompts: list[list[int]], cfg: GenerateC
     return data
 
 
-def prepare_generated_data(policy: CausalLM, loaded, cfg: GenerateConfig, task_prompts: Sequence[str] = (),
-                           progress: bool = True) -> tuple[TokenData, TokenData]:
-    """(train, held-out) rollouts for a loaded model, from the cache when present."""
-    train_prompts = chat_prompts(loaded, cfg.num_sequences, held_out=False, task_prompts=task_prompts,
+def prepare_generated_data(policy: CausalLM, encode: Callable[[str], list[int]], cfg: GenerateConfig,
+                           task_prompts: Sequence[str] = (), progress: bool = True) -> tuple[TokenData, TokenData]:
+    """(train, held-out) rollouts of the policy on prompts rendered by `encode`, from the cache when present."""
+    train_prompts = chat_prompts(encode, cfg.num_sequences, held_out=False, task_prompts=task_prompts,
                                  task_fraction=cfg.task_fraction)
-    eval_prompts = chat_prompts(loaded, cfg.num_eval_sequences, held_out=True, task_prompts=task_prompts,
+    eval_prompts = chat_prompts(encode, cfg.num_eval_sequences, held_out=True, task_prompts=task_prompts,
                                 task_fraction=cfg.task_fraction)
     train = cached_token_data(policy, train_prompts, cfg, "train", seed=cfg.seed, progress=progress)
     held = cached_token_data(policy, eval_prompts, cfg, "eval", seed=cfg.seed + 1, progress=progress)

@@ -116,7 +116,7 @@ class FirstN:
         return self.source[i]
 
 
-def open_data(cfg: TrainHeadsConfig, policy, loaded, progress: bool):
+def open_data(cfg: TrainHeadsConfig, policy, encode, progress: bool):
     """(train source, held-out source, description) from the token store or generated rollouts."""
     if cfg.data.store:
         from mtp_heads.data.token_store import TokenStore
@@ -135,7 +135,7 @@ def open_data(cfg: TrainHeadsConfig, policy, loaded, progress: bool):
                 "heldout_tokens": store.num_tokens("heldout", src)}
         return train, held, desc
     from experiments.heads_data import prepare_generated_data
-    train, held = prepare_generated_data(policy, loaded, cfg.data.generate, progress=progress)
+    train, held = prepare_generated_data(policy, encode, cfg.data.generate, progress=progress)
     return train, held, {"generated": asdict(cfg.data.generate), "train_tokens": int(train.offsets[-1]),
                          "train_sequences": len(train), "heldout_sequences": len(held)}
 
@@ -175,11 +175,13 @@ def run(cfg: TrainHeadsConfig, resolved: str = "", policy=None, loaded=None) -> 
     check_writable(out.parent, "out directory")     # before the model, the data and minutes of training
     check_writable(cache_dir(), "the cache ($MTP_ROLLOUT_CACHE), where evaluation sets and generated data are kept")
     if policy is None:
-        from rollout.models.decoder import build_model
-        from rollout.models.loaders import load_model
-        loaded = load_model(cfg.model)
-        policy = build_model(loaded.config, loaded.state_dict)
-    train, held, data_desc = open_data(cfg, policy, loaded, cfg.progress)
+        from trainers.policy import load_rl_policy
+        rl = load_rl_policy(cfg.model)         # a named model, a file, or the tiny test model
+        policy, encode = rl.model, rl.codec.encode_prompt
+    else:
+        from trainers.codec import ChatCodec
+        encode = ChatCodec(loaded).encode_prompt
+    train, held, data_desc = open_data(cfg, policy, encode, cfg.progress)
     vocab = None if cfg.train.init.endswith(".safetensors") and not cfg.train.draft_vocab_size else \
         draft_vocab_for(cfg, policy, train)
     t_eval = time.perf_counter()
@@ -238,7 +240,7 @@ def run(cfg: TrainHeadsConfig, resolved: str = "", policy=None, loaded=None) -> 
               "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6,
               "meta": asdict(read_meta(out))}
     if ev.engine_prompts or ev.speedup_prompts:
-        report.update(engine_report(policy, loaded, result.heads, ev, cfg.train.temperature))
+        report.update(engine_report(policy, encode, result.heads, ev, cfg.train.temperature))
     report["seconds_total"] = time.perf_counter() - t0
     atomic_write(out.with_suffix(".run.json"), json.dumps(report, indent=2, default=str) + "\n")
     if resolved:
@@ -249,11 +251,11 @@ def run(cfg: TrainHeadsConfig, resolved: str = "", policy=None, loaded=None) -> 
     return report
 
 
-def engine_report(policy, loaded, heads, ev: EvalConfig, temperature: float) -> dict:
+def engine_report(policy, encode, heads, ev: EvalConfig, temperature: float) -> dict:
     """Engine acceptance per mode and batch-1 speed on held-out chat prompts (experiments.eval_heads)."""
     from experiments.eval_heads import decode_speedup, draft_cost, engine_acceptance
     from experiments.heads_data import chat_prompts
-    prompts = chat_prompts(loaded, max(ev.engine_prompts, ev.speedup_prompts), held_out=True)
+    prompts = chat_prompts(encode, max(ev.engine_prompts, ev.speedup_prompts), held_out=True)
     out = {}
     if ev.engine_prompts:
         out["engine"] = engine_acceptance(policy, heads, prompts[:ev.engine_prompts], k=ev.steps,

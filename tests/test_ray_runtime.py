@@ -167,6 +167,26 @@ def test_cotrainer_tv_refresh_lowers_loss_and_checkpoints(models, tmp_path):
     assert meta.head_version == 1 and meta.loss == "tv"
 
 
+def test_cotrainer_refresh_stops_at_its_time_budget(models, monkeypatch):
+    """refresh_budget_s bounds a refresh's wall time (one step at least), so the actor's queue of
+    decisions, policy syncs and checkpoint requests keeps moving; without a budget all steps run."""
+    import trainers.cotrainer as cotrainer_module
+    policy, heads = models
+    batch = TorchEngine(policy, heads).generate(PROMPTS, sp(1.0, n=8))
+    clock = iter(range(0, 10_000, 10))                       # every perf_counter() call: 10 s later
+    monkeypatch.setattr(cotrainer_module.time, "perf_counter", lambda: float(next(clock)))
+    for budget, steps in ((25.0, 3), (0.0, 6)):
+        cfg = CoTrainerConfig(refresh=("every_n_steps",), every_n_steps=1, steps_per_refresh=6, batch_tokens=64,
+                              refresh_budget_s=budget)
+        ct = HeadCoTrainer(cfg, policy.config, pack(policy.state_dict()), 0, pack(heads.state_dict()), 2, 0)
+        ct.add_rollouts([(c.prompt, c.tokens) for c in batch.completions])
+        ct.observe(StepObservation(0, 1.0, 0.5, 0))
+        res = ct.observe(StepObservation(1, 1.0, 0.5, 0))
+        assert res.refreshed and len(res.losses) == steps == ct.history[-1]["train_steps"]
+    with pytest.raises(ValueError, match="refresh_budget_s must be >= 0"):
+        CoTrainerConfig(refresh_budget_s=-1.0)
+
+
 # ------------------------------------------------------------------------- local Ray
 
 @pytest.mark.ray

@@ -41,7 +41,9 @@ class CoTrainerConfig:
     enabled: bool = True                # run the head co-trainer (false: heads stay as loaded)
     loss: str = "tv"                    # head loss: `tv` (default), `tv_e2e`, `fkl`, `rkl`, `ce`
     lr: float = 1e-3                    # co-trainer AdamW learning rate
-    steps_per_refresh: int = 20         # head training steps per refresh
+    steps_per_refresh: int = 20         # head training steps per refresh (at most: see refresh_budget_s)
+    refresh_budget_s: float = 0.0       # wall-clock budget of one refresh (>= 1 step); 0 = no limit. Keeps the
+                                        # actor's queue (decisions, policy syncs, checkpoint state) moving
     batch_tokens: int = 2048            # tokens per head training batch (prompt + completion)
     replay_capacity: int = 64           # recent completions kept for head training
     refresh: tuple[str, ...] = ("entropy_rise",)   # when to refresh, any of: `every_n_steps`, `entropy_rise`,
@@ -68,6 +70,8 @@ class CoTrainerConfig:
             raise ValueError(f"cotrainer.num_cpus / num_gpus must be >= 0, got {self.num_cpus} / {self.num_gpus}")
         if self.max_restarts < 0:
             raise ValueError(f"cotrainer.max_restarts must be >= 0, got {self.max_restarts}")
+        if not self.refresh_budget_s >= 0:
+            raise ValueError(f"cotrainer.refresh_budget_s must be >= 0 (0 = no limit), got {self.refresh_budget_s}")
 
 
 @dataclass
@@ -141,11 +145,12 @@ class HeadCoTrainer:
             logger.warning("co-trainer step %d: refresh wanted (%s) but the replay buffer is empty", obs.step, reason)
             return RefreshResult(False, f"skipped, empty replay buffer: {reason}", self.head_version, obs.step)
         t0 = time.perf_counter()
-        losses = self.train(self.config.steps_per_refresh)
+        losses = self.train(self.config.steps_per_refresh, budget_s=self.config.refresh_budget_s)
         self.head_version += 1
         self.refresh_policy.on_refresh(obs, self.head_version)
         entry = {"step": obs.step, "reason": reason, "head_version": self.head_version,
-                 "policy_version": self.policy_version, "loss_first": losses[0], "loss_last": losses[-1]}
+                 "policy_version": self.policy_version, "loss_first": losses[0], "loss_last": losses[-1],
+                 "train_steps": len(losses), "train_time_s": time.perf_counter() - t0}
         self.history.append(entry)
         logger.info("co-trainer refresh -> head version %d at step %d: %s (loss %.4f -> %.4f)",
                     self.head_version, obs.step, reason, losses[0], losses[-1])
@@ -155,12 +160,16 @@ class HeadCoTrainer:
 
     # -- training ------------------------------------------------------------------------------
 
-    def train(self, num_steps: int) -> list[float]:
-        """num_steps optimiser steps on batches drawn from the replay buffer; losses per step."""
+    def train(self, num_steps: int, budget_s: float = 0.0) -> list[float]:
+        """Up to num_steps optimiser steps on batches drawn from the replay buffer, stopping early
+        once budget_s seconds are spent (0 = no limit; one step always runs); losses per step."""
         if not self.replay:
             raise ValueError("the replay buffer is empty: add_rollouts() before train()")
         losses = []
+        deadline = time.perf_counter() + budget_s if budget_s > 0 else float("inf")
         for _ in range(num_steps):
+            if losses and time.perf_counter() >= deadline:
+                break
             loss = self.batch_loss(self._sample_batch())
             self.optimizer.zero_grad(set_to_none=True)
             loss.backward()

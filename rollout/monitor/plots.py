@@ -1,6 +1,7 @@
 """The monitor's two figures: acceptance vs entropy (per position and per step), and
-acceptance, entropy and tau over RL steps with refreshes and alerts marked; and the entropy
-sweep's figure (acceptance vs mean entropy per temperature, a panel per draft mode).
+acceptance, entropy and tau over RL steps with refreshes and alerts marked; the entropy
+sweep's figure (acceptance vs mean entropy per temperature, a panel per draft mode); and the
+ablation's (acceptance vs entropy per RL step, a panel per draft mode, a colour per objective).
 
 matplotlib's object API on Agg: no pyplot, no global backend switch, safe in Ray workers
 and threads. PNGs are written atomically so a viewer never shows half a file.
@@ -163,4 +164,33 @@ def plot_sweep(path: Path, records: list[dict]) -> None:
         ax.grid(alpha=0.3)
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=7, loc="best", title="heads: slope over temperatures, 95% CI", title_fontsize=7)
+    _save(fig, path)
+
+
+def plot_ablation(path: Path, records: list[dict]) -> None:
+    """The ablation's figure: one panel per draft mode, one colour per head objective; each RL
+    step is a point (mean entropy at reached draft positions, acceptance rate), with the cell's
+    across-step slope and its 95% interval in the legend."""
+    modes = list(dict.fromkeys(r["draft_mode"] for r in records))
+    objectives = list(dict.fromkeys(r["objective"] for r in records))
+    fig, axes = _new_figure(1, max(len(modes), 1), (6.2 * max(len(modes), 1), 4.8),
+                            dict(left=0.07, right=0.99, bottom=0.11, top=0.92, wspace=0.12), sharey=True)
+    colors = {o: f"C{i % 10}" for i, o in enumerate(objectives)}
+    for ax, mode in zip(axes[0], modes):
+        for r in (r for r in records if r["draft_mode"] == mode):
+            x, y = _column(r["points"], "entropy"), _column(r["points"], "acceptance")
+            ok = np.isfinite(x) & np.isfinite(y)
+            fit = fit_from_dict(r.get("slope_step"))
+            label = (f"{r['objective']}: {fit.slope:+.3f}/nat [{fit.ci_low:+.3f}, {fit.ci_high:+.3f}]"
+                     if math.isfinite(fit.slope) else f"{r['objective']}: slope n/a")
+            ax.plot(x[ok], y[ok], "o", color=colors[r["objective"]], alpha=0.7, label=label)
+            if ok.sum() >= 2 and math.isfinite(fit.slope):      # the fitted line through the points' centroid
+                xs = np.linspace(x[ok].min(), x[ok].max(), 20)
+                ax.plot(xs, y[ok].mean() + fit.slope * (xs - x[ok].mean()), color=colors[r["objective"]])
+        ax.set(title=f"{mode} drafting", xlabel="mean entropy H(p) at reached draft positions (nats), per RL step",
+               ylabel="acceptance rate (accepted / proposed)", ylim=(0, 1))
+        ax.yaxis.set_tick_params(labelleft=True)
+        ax.grid(alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=7, loc="best", title="objective: slope per step, 95% CI", title_fontsize=7)
     _save(fig, path)

@@ -1,0 +1,251 @@
+"""`mtp-rollout ablate`: Bebop's grid, draft mode x head objective, over async RL runs whose entropy rises.
+
+    mtp-rollout ablate                                     # configs/ablation.yaml: SmolLM2, the full grid
+    mtp-rollout ablate configs/ablation_tiny.yaml          # the small setting CI runs (tiny model, minutes)
+    mtp-rollout ablate 'objectives=[ce,tv]' 'rl=[steps=20]' out_dir=runs/ablation/two
+    mtp-rollout ablate --help                              # every key, its default and meaning
+
+For every objective the heads are trained once, from the same initialisation, data, tokens and steps
+(`mtp-rollout train-heads` with one phase of that objective), and every (draft mode, objective) cell
+runs the RL job (`mtp-rollout run`) with those heads while the co-trainer refreshes them with the
+same objective. One plain-decoding run (k = 0, no co-trainer) is the speed baseline. Per cell: the
+slope of acceptance on entropy across steps and across draft positions (entropy-binned, cumulative)
+with 95% bootstrap intervals (rollout.monitor), mean acceptance rate, acceptance length, rollout
+speed over plain decoding, and the same per task domain. Entropy rises because the RL preset ramps
+the sampling temperature and the entropy bonus over the run (configs/async_rl.yaml).
+
+out_dir holds heads/<objective>.safetensors, runs/<cell>/ (full RL run directories) and the results:
+ablation.json, ablation.csv, ablation.md (cells and per-domain tables) and ablation.png (a panel
+per draft mode, a line per objective). Finished heads and runs are reused, interrupted ones resumed,
+so re-running the command continues a grid; `results_dir` gets a copy of the four result files.
+"""
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+from mtp_heads.distill import check_objective
+from rollout.config_loader import config_help, load_config, wants_help, write_resolved
+from rollout.fileio import atomic_write
+from rollout.monitor.monitor import AcceptanceMonitor
+from rollout.monitor.plots import plot_ablation
+from rollout.monitor.records import as_float, json_safe, records_csv
+from rollout.monitor.sweep import check_draft_modes
+from rollout.run_dir import RunLock, read_jsonl
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+DEFAULT_CONFIG = CONFIGS / "ablation.yaml"
+RESULTS = ("ablation.json", "ablation.csv", "ablation.md", "ablation.png")
+PLAIN = "plain"
+
+
+@dataclass(frozen=True)
+class AblationConfig:
+    """The grid (draft_modes x objectives), how each objective's heads are trained, and the RL run."""
+
+    objectives: list[str] = field(default_factory=lambda: ["ce", "fkl", "tv", "tv_e2e"])  # head losses
+    draft_modes: list[str] = field(default_factory=lambda: ["greedy", "rejection"])       # greedy and/or rejection
+    heads_config: str = "heads_smollm2"   # train-heads preset (configs/<name>.yaml) or a YAML path
+    heads: list[str] = field(default_factory=list)   # key=value overrides of every head training (same for all)
+    head_steps: int = 400                 # steps of each objective's single training phase
+    head_lr: float = 2e-3                 # its peak learning rate
+    rl_config: str = "async_rl"           # RL preset every cell runs (configs/<name>.yaml) or a YAML path
+    rl: list[str] = field(default_factory=list)      # key=value overrides of every RL run (e.g. steps=20)
+    plain_baseline: bool = True           # also run k = 0 without co-trainer: the baseline of `speedup`
+    out_dir: str = "runs/ablation"        # heads/, runs/, results; finished parts are reused on a re-run
+    results_dir: str = ""                 # also copy the result files here ("" = no copy)
+    progress: bool = True                 # progress bars of the head trainings and RL runs
+
+    def __post_init__(self) -> None:
+        if not self.objectives:
+            raise ValueError("objectives must list at least one head loss")
+        for objective in self.objectives:
+            check_objective(objective)
+        check_draft_modes(self.draft_modes)
+        if self.head_steps < 1 or not self.head_lr > 0:
+            raise ValueError(f"need head_steps >= 1 and head_lr > 0, got {self.head_steps}, {self.head_lr}")
+        for key, entries in (("heads", self.heads), ("rl", self.rl)):
+            bad = [e for e in entries if "=" not in e]
+            if bad:
+                raise ValueError(f"{key} entries must be key=value overrides, got {bad}")
+
+
+def preset(name: str) -> str:
+    """configs/<name>.yaml for a bare name, else the path as given."""
+    return str(CONFIGS / f"{name}.yaml") if "/" not in name and not name.endswith(".yaml") else name
+
+
+# ----------------------------------------------------------------------------------- the grid
+
+
+def train_objective_heads(cfg: AblationConfig, objective: str, out: Path) -> Path:
+    """heads/<objective>.safetensors, trained once with the shared preset and overrides."""
+    from experiments import pretrain_heads
+
+    path = out / "heads" / f"{objective}.safetensors"
+    if path.with_suffix(".run.json").is_file():
+        return path                                    # finished earlier
+    path.parent.mkdir(parents=True, exist_ok=True)
+    phase = f"train.phases=[{{objective: {objective}, steps: {cfg.head_steps}, lr: {cfg.head_lr}}}]"
+    argv = [preset(cfg.heads_config), *cfg.heads, phase, f"out={path}", f"progress={str(cfg.progress).lower()}"]
+    if path.is_file():
+        argv.append("resume=true")                     # interrupted: continue from its checkpoint
+    pretrain_heads.main(argv)
+    return path
+
+
+def run_cell(cfg: AblationConfig, name: str, overrides: list[str], out: Path) -> Path:
+    """One RL run directory under runs/<name>; resumed if it stopped early, reused if complete."""
+    from experiments import async_rl
+    from trainers.config import load_run_config
+
+    run_dir = out / "runs" / name
+    argv = [preset(cfg.rl_config), *cfg.rl, *overrides, f"out_dir={run_dir}", f"progress={str(cfg.progress).lower()}"]
+    run_cfg, _ = load_run_config(argv)
+    done = len(read_jsonl(run_dir / "rl.jsonl")) if (run_dir / "rl.jsonl").is_file() else 0
+    if done >= run_cfg.steps:
+        return run_dir
+    if async_rl.holds_run(run_dir):
+        argv.append("resume=true")
+    run_cfg, resolved = load_run_config(argv)
+    async_rl.run(run_cfg, resolved)
+    return run_dir
+
+
+def cell_overrides(objective: str, mode: str, heads_path: Path) -> list[str]:
+    return ["heads=path", f"accelerator.heads_path={heads_path}", f"sampling.draft_mode={mode}",
+            f"accelerator.cotrainer.loss={objective}"]
+
+
+PLAIN_OVERRIDES = ["heads=init", "sampling.num_draft_tokens=0", "accelerator.cotrainer.enabled=false"]
+
+
+# ----------------------------------------------------------------------------------- results
+
+
+def _fit(d: dict | None) -> dict:
+    d = d or {}
+    fit = {k: as_float(d.get(k)) for k in ("slope", "intercept", "r2", "ci_low", "ci_high")}   # None (JSON NaN) -> nan
+    return {**fit, "n": int(d.get("n") or 0)}
+
+
+def summarize_group(steps: list[dict]) -> dict:
+    """Run-level numbers of one group (the whole batch or one domain) from its per-step blocks."""
+    drafted = sum(s.get("num_draft_tokens", 0) for s in steps)
+    accepted = sum(s.get("num_accepted_tokens", 0) for s in steps)
+    rounds = sum(s.get("num_drafts", 0) for s in steps)
+    entropy = [as_float(s.get("entropy_drafted")) for s in steps]
+    last = steps[-1] if steps else {}
+    return {"acceptance_rate": accepted / drafted if drafted else math.nan,
+            "acceptance_length": (accepted + rounds) / rounds if rounds else math.nan,
+            "entropy_first": entropy[0] if entropy else math.nan,
+            "entropy_last": entropy[-1] if entropy else math.nan,
+            "slope_step": _fit(last.get("slope_step_run")),
+            "slope_position": _fit(last.get("slope_position_cum"))}
+
+
+def summarize_run(run_dir: Path) -> dict:
+    """One cell's record: its monitor's steps and rl.jsonl's rollout times and rewards."""
+    steps = [r for r in AcceptanceMonitor.load_records(run_dir) if "event" not in r]
+    rl = read_jsonl(run_dir / "rl.jsonl")
+    tokens = sum(s.get("num_tokens", 0) for s in steps)
+    rollout_s = sum(r["rollout_s"] for r in rl)
+    domains = sorted({d for s in steps for d in s.get("domains", {})})
+    return {"steps": len(steps), "tokens": tokens, "rollout_s": rollout_s,
+            "rollout_tok_s": tokens / rollout_s if rollout_s else math.nan,
+            "reward_first": rl[0]["reward"] if rl else math.nan, "reward_last": rl[-1]["reward"] if rl else math.nan,
+            "refreshes": sum(1 for r in AcceptanceMonitor.load_records(run_dir) if r.get("event") == "head_refresh"),
+            **summarize_group(steps),
+            "domains": {d: summarize_group([s["domains"][d] for s in steps if d in s.get("domains", {})])
+                        for d in domains},
+            "points": [{"entropy": s.get("entropy_drafted"), "acceptance": s.get("acceptance_rate")} for s in steps]}
+
+
+def _ci(f: dict) -> str:
+    if not math.isfinite(f["slope"]):
+        return "n/a"
+    return f"{f['slope']:+.3f} [{f['ci_low']:+.3f}, {f['ci_high']:+.3f}]"
+
+
+def _num(x, spec: str = ".3f") -> str:
+    return format(x, spec) if isinstance(x, (int, float)) and math.isfinite(x) else "n/a"
+
+
+def tables(records: list[dict]) -> str:
+    head = ("| draft mode | objective | steps | entropy first -> last | acceptance rate | acceptance length "
+            "| slope per step [95% CI] | slope per position [95% CI] | speedup vs plain | reward first -> last |")
+    lines = ["## Cells", "", head, "|" + "---|" * 10]
+    for r in records:
+        lines.append(f"| {r['draft_mode']} | {r['objective']} | {r['steps']} | {_num(r['entropy_first'])} -> "
+                     f"{_num(r['entropy_last'])} | {_num(r['acceptance_rate'])} | {_num(r['acceptance_length'], '.2f')} "
+                     f"| {_ci(r['slope_step'])} | {_ci(r['slope_position'])} | {_num(r['speedup'], '.2f')}x "
+                     f"| {_num(r['reward_first'], '.2f')} -> {_num(r['reward_last'], '.2f')} |")
+    lines += ["", "## Per task domain", "",
+              "| draft mode | objective | domain | acceptance rate | acceptance length | slope per step [95% CI] "
+              "| slope per position [95% CI] |", "|" + "---|" * 7]
+    for r in records:
+        for d, g in r["domains"].items():
+            lines.append(f"| {r['draft_mode']} | {r['objective']} | {d} | {_num(g['acceptance_rate'])} | "
+                         f"{_num(g['acceptance_length'], '.2f')} | {_ci(g['slope_step'])} | {_ci(g['slope_position'])} |")
+    return "\n".join(lines) + "\n"
+
+
+def _flat(r: dict) -> dict:
+    return {k: v for k, v in r.items() if k not in ("domains", "points")}
+
+
+def write_results(out: Path, records: list[dict], results_dir: str) -> None:
+    safe = [json_safe(r) for r in records]
+    atomic_write(out / "ablation.json", json.dumps(safe, indent=1) + "\n")
+    atomic_write(out / "ablation.csv", records_csv([_flat(r) for r in safe]))
+    atomic_write(out / "ablation.md", tables(records))
+    plot_ablation(out / "ablation.png", records)
+    if results_dir:
+        dst = Path(results_dir)
+        dst.mkdir(parents=True, exist_ok=True)
+        for name in RESULTS:
+            shutil.copyfile(out / name, dst / name)
+
+
+def run(cfg: AblationConfig, resolved: str) -> list[dict]:
+    out = Path(cfg.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    with RunLock(out):
+        write_resolved(resolved, out)
+        plain = summarize_run(run_cell(cfg, PLAIN, PLAIN_OVERRIDES, out)) if cfg.plain_baseline else None
+        records = []
+        for objective in cfg.objectives:                          # ---- the driver loop ----
+            heads_path = train_objective_heads(cfg, objective, out)
+            for mode in cfg.draft_modes:
+                rec = summarize_run(run_cell(cfg, f"{mode}-{objective}", cell_overrides(objective, mode, heads_path),
+                                             out))
+                rec = {"draft_mode": mode, "objective": objective, "heads_path": str(heads_path), **rec,
+                       "speedup": rec["rollout_tok_s"] / plain["rollout_tok_s"] if plain else math.nan}
+                records.append(rec)
+                write_results(out, records, cfg.results_dir)      # after every cell: a partial grid is readable
+    print(tables(records))
+    print(f"out_dir {out}: " + ", ".join(RESULTS))
+    return records
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of `mtp-rollout ablate`: argv = YAML files and key=value overrides; without a
+    YAML file configs/ablation.yaml comes first."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if wants_help(argv):
+        print(config_help(AblationConfig, usage=__doc__), end="")
+        return 0
+    if all("=" in a for a in argv):
+        argv = [str(DEFAULT_CONFIG), *argv]
+    cfg, resolved = load_config(AblationConfig, argv)
+    run(cfg, resolved)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,80 @@
+"""`mtp-rollout ablate` in its small setting (configs/ablation_tiny.yaml): the tiny random model, so
+it checks the machinery — every cell of draft mode x objective trained, run and summarised, results
+written, finished parts reused — not the science (that is the full grid on SmolLM2)."""
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from experiments.entropy_ablation import AblationConfig, main
+from mtp_heads.checkpoint import read_meta
+
+ROOT = Path(__file__).resolve().parents[1]
+OBJECTIVES = ["ce", "fkl", "tv", "tv_e2e"]
+
+
+@pytest.fixture(scope="module")
+def grid(tmp_path_factory):
+    """The whole small grid once (every RL run starts and stops its own local Ray, as the CLI does)."""
+    out = tmp_path_factory.mktemp("ablation")
+    argv = [str(ROOT / "configs/ablation_tiny.yaml"), f"out_dir={out}", "rl=[steps=2,checkpoint_every=0,"
+            "accelerator.num_depths=1]"]
+    assert main(argv) == 0
+    return out, argv
+
+
+@pytest.mark.slow
+@pytest.mark.ray
+def test_every_cell_is_filled(grid):
+    out, _ = grid
+    records = json.loads((out / "ablation.json").read_text())
+    assert [(r["draft_mode"], r["objective"]) for r in records] == \
+        [(m, o) for o in OBJECTIVES for m in ("greedy", "rejection")]
+    for r in records:
+        assert r["steps"] == 2 and r["tokens"] > 0 and r["rollout_s"] > 0
+        assert 0 <= r["acceptance_rate"] <= 1 and r["acceptance_length"] >= 1
+        assert math.isfinite(r["speedup"]) and r["speedup"] > 0
+        assert r["domains"] and len(r["points"]) == 2
+        assert set(r["slope_step"]) == set(r["slope_position"]) == {"slope", "intercept", "r2", "ci_low", "ci_high", "n"}
+        run = out / "runs" / f"{r['draft_mode']}-{r['objective']}"
+        cfg = (run / "config.yaml").read_text()
+        assert f"draft_mode: {r['draft_mode']}" in cfg and f"loss: {r['objective']}" in cfg
+    # each objective's heads were trained once, with that objective, the same steps, and shared by both modes
+    for objective in OBJECTIVES:
+        meta = read_meta(out / "heads" / f"{objective}.safetensors")
+        assert meta.loss.startswith(objective) and meta.steps == 3
+    md = (out / "ablation.md").read_text()
+    assert md.count("\n| greedy |") + md.count("\n| rejection |") >= 8 + 8     # cells + per-domain rows
+    csv_lines = (out / "ablation.csv").read_text().strip().splitlines()
+    assert len(csv_lines) == 1 + len(records) and "speedup" in csv_lines[0]
+    assert (out / "ablation.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    plain = json.loads((out / "runs" / "plain" / "rl.jsonl").read_text().splitlines()[0])
+    assert plain["rollout_s"] > 0
+
+
+@pytest.mark.slow
+@pytest.mark.ray
+def test_a_rerun_reuses_finished_heads_and_runs(grid):
+    out, argv = grid
+    stamps = {p: p.stat().st_mtime_ns for p in (out / "heads").glob("*.safetensors")}
+    stamps.update({p: p.stat().st_mtime_ns for p in (out / "runs").glob("*/rl.jsonl")})
+    assert main(argv) == 0
+    assert {p: p.stat().st_mtime_ns for p in stamps} == stamps
+
+
+@pytest.mark.parametrize("override, named", [
+    ("objectives=[tv,nope]", "nope"), ("draft_modes=[sampled]", "sampled"), ("head_steps=0", "head_steps"),
+    ("rl=[steps]", "key=value"), ("objectives=[]", "objectives"),
+])
+def test_bad_input_is_refused_naming_the_key(override, named, tmp_path):
+    with pytest.raises(ValueError, match=named):
+        main([str(ROOT / "configs/ablation_tiny.yaml"), f"out_dir={tmp_path}", override])
+    assert not any(tmp_path.iterdir())
+
+
+def test_help_lists_every_key(capsys):
+    assert main(["--help"]) == 0
+    text = capsys.readouterr().out
+    for f in AblationConfig.__dataclass_fields__:
+        assert f in text
