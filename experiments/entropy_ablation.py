@@ -30,7 +30,7 @@ from pathlib import Path
 
 
 from mtp_heads.distill import check_objective
-from rollout.config_loader import config_help, load_config, wants_help, write_resolved
+from rollout.config_loader import preset_main, write_resolved
 from rollout.fileio import atomic_write
 from rollout.monitor.monitor import AcceptanceMonitor
 from rollout.monitor.plots import plot_ablation
@@ -236,15 +236,7 @@ def run(cfg: AblationConfig, resolved: str) -> list[dict]:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of `mtp-rollout ablate`: argv = YAML files and key=value overrides; without a
     YAML file configs/ablation.yaml comes first."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if wants_help(argv):
-        print(config_help(AblationConfig, usage=__doc__), end="")
-        return 0
-    if all("=" in a for a in argv):
-        argv = [str(DEFAULT_CONFIG), *argv]
-    cfg, resolved = load_config(AblationConfig, argv)
-    run(cfg, resolved)
-    return 0
+    return preset_main(AblationConfig, DEFAULT_CONFIG, run, sys.argv[1:] if argv is None else argv, usage=__doc__)
 
 
 if __name__ == "__main__":

@@ -27,7 +27,7 @@ from tqdm import tqdm
 from experiments.heads_data import prompt_texts
 from mtp_heads.checkpoint import load_heads
 from mtp_heads.shipped import load_shipped_heads, shipped_heads_path
-from rollout.config_loader import config_help, load_config, wants_help, write_resolved
+from rollout.config_loader import preset_main, write_resolved
 from rollout.fileio import atomic_write
 from rollout.monitor.plots import plot_sweep
 from rollout.monitor.records import json_safe, records_csv
@@ -203,15 +203,7 @@ def progress_to(bar: tqdm):
 def main(argv: list[str] | None = None) -> int:
     """Entry point of `mtp-rollout sweep`: argv = YAML files and key=value overrides; without a
     YAML file configs/sweep.yaml comes first."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if wants_help(argv):
-        print(config_help(SweepConfig, usage=__doc__), end="")
-        return 0
-    if all("=" in a for a in argv):
-        argv = [str(DEFAULT_CONFIG), *argv]
-    cfg, resolved = load_config(SweepConfig, argv)
-    run(cfg, resolved)
-    return 0
+    return preset_main(SweepConfig, DEFAULT_CONFIG, run, sys.argv[1:] if argv is None else argv, usage=__doc__)
 
 
 if __name__ == "__main__":

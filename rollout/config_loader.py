@@ -23,6 +23,7 @@ import tokenize
 import typing
 from datetime import datetime
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any, TypeVar
 
 from omegaconf import DictConfig, OmegaConf
@@ -204,3 +205,18 @@ def keys_table(cls: type) -> str:
     """Markdown table `| key | default | meaning |` of every key (for configs/README.md)."""
     rows = [f"| `{k.key}` | `{k.default}` | {k.help} |" for k in config_keys(cls)]
     return "\n".join(["| key | default | meaning |", "|---|---|---|", *rows])
+
+
+def preset_main(cls: type[T], default_config: str | Path, run: Callable[[T, str], Any], argv: list[str],
+                usage: str = "") -> int:
+    """A command's main(argv): `--help` lists cls's keys; argv = YAML files and key=value overrides,
+    with `default_config` first when no YAML file is given; then run(config, resolved YAML)."""
+    argv = list(argv)
+    if wants_help(argv):
+        print(config_help(cls, usage=usage), end="")
+        return 0
+    if all("=" in a for a in argv):
+        argv = [str(default_config), *argv]
+    cfg, resolved = load_config(cls, argv)
+    run(cfg, resolved)
+    return 0

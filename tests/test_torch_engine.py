@@ -317,3 +317,32 @@ def test_weight_updates_are_checked_before_anything_changes(tiny_policy, tiny_he
     assert torch.equal(tiny_policy.state_dict()["model.norm.weight"], policy_before["model.norm.weight"] * 2)
     engine.update_policy({"model.norm.weight": policy_before["model.norm.weight"]}, 6)   # shared fixture: restore
     assert engine.policy_version == 6
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_grouped_query_attention_over_the_cache_equals_repeated_kv(dtype):
+    """Attention folds each K/V head's query group into the query length instead of copying the
+    cache per group: the result must be the textbook GQA (K/V repeated per query head)."""
+    import torch.nn.functional as F
+    from rollout.models.decoder import Attention, KVCache, Rotary
+    cfg = tiny_config(hidden_size=48, num_attention_heads=6, num_key_value_heads=2)
+    attn = Attention(cfg).to(dtype)
+    g = torch.Generator().manual_seed(0)
+    B, T, L = 3, 4, 16
+    cache = KVCache(1, B, L, cfg.num_key_value_heads, cfg.dim_per_head, dtype)
+    cache.k[0].copy_(torch.randn(cache.k[0].shape, generator=g))
+    cache.v[0].copy_(torch.randn(cache.v[0].shape, generator=g))
+    x = torch.randn(B, T, cfg.hidden_size, generator=g).to(dtype)
+    positions = torch.tensor([[5, 6, 7, 8], [0, 1, 2, 3], [11, 12, 13, 14]])
+    rope = Rotary(cfg)(positions)
+    with torch.no_grad():
+        out = attn(x, rope, positions, cache, 0)
+        q, _, _ = attn.project_qkv(x, rope)
+        groups = cfg.num_attention_heads // cfg.num_key_value_heads
+        keys = cache.k[0].transpose(1, 2).repeat_interleave(groups, dim=1)     # cache now holds the new K/V too
+        values = cache.v[0].transpose(1, 2).repeat_interleave(groups, dim=1)
+        mask = torch.arange(L)[None, None, None, :] <= positions[:, None, :, None]
+        ref = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
+        ref = attn.o_proj(ref.transpose(1, 2).reshape(B, T, -1))
+    torch.testing.assert_close(out.float(), ref.float(), rtol=2e-2 if dtype == torch.bfloat16 else 1e-5,
+                               atol=2e-2 if dtype == torch.bfloat16 else 1e-5)

@@ -134,14 +134,27 @@ def plot_over_steps(path: Path, records: list[dict], events: list[dict], *, wind
 
 
 
+def _mode_panels(n: int):
+    """A row of n panels (one per draft mode) sharing the acceptance axis."""
+    return _new_figure(1, max(n, 1), (6.2 * max(n, 1), 4.8),
+                       dict(left=0.07, right=0.99, bottom=0.11, top=0.92, wspace=0.12), sharey=True)
+
+
+def _finish_mode_panel(ax, mode: str, xlabel: str, legend_title: str) -> None:
+    ax.set(title=f"{mode} drafting", xlabel=xlabel, ylabel="acceptance rate (accepted / proposed)", ylim=(0, 1))
+    ax.yaxis.set_tick_params(labelleft=True)
+    ax.grid(alpha=0.3)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=7, loc="best", title=legend_title, title_fontsize=7)
+
+
 def plot_sweep(path: Path, records: list[dict]) -> None:
     """One panel per draft mode, one line per heads file: acceptance rate against mean entropy at
     the reached draft positions, one point per temperature (labelled), the cell's slope over
     temperatures with its 95% interval in the legend."""
     modes = list(dict.fromkeys(r["draft_mode"] for r in records))
     heads = list(dict.fromkeys(r["head"] for r in records))
-    fig, axes = _new_figure(1, max(len(modes), 1), (6.2 * max(len(modes), 1), 4.8),
-                            dict(left=0.07, right=0.99, bottom=0.11, top=0.92, wspace=0.12), sharey=True)
+    fig, axes = _mode_panels(len(modes))
     colors = {h: f"C{i % 10}" for i, h in enumerate(heads)}
     for ax, mode in zip(axes[0], modes):
         for head in heads:
@@ -158,12 +171,8 @@ def plot_sweep(path: Path, records: list[dict]) -> None:
                 if math.isfinite(xi) and math.isfinite(yi):
                     ax.annotate(f"T={r['temperature']:g}", (xi, yi), textcoords="offset points", xytext=(3, 4),
                                 fontsize=6, color=colors[head])
-        ax.set(title=f"{mode} drafting", xlabel="mean entropy H(p) at reached draft positions (nats)",
-               ylabel="acceptance rate (accepted / proposed)", ylim=(0, 1))
-        ax.yaxis.set_tick_params(labelleft=True)
-        ax.grid(alpha=0.3)
-        if ax.get_legend_handles_labels()[0]:
-            ax.legend(fontsize=7, loc="best", title="heads: slope over temperatures, 95% CI", title_fontsize=7)
+        _finish_mode_panel(ax, mode, "mean entropy H(p) at reached draft positions (nats)",
+                           "heads: slope over temperatures, 95% CI")
     _save(fig, path)
 
 
@@ -173,8 +182,7 @@ def plot_ablation(path: Path, records: list[dict]) -> None:
     across-step slope and its 95% interval in the legend."""
     modes = list(dict.fromkeys(r["draft_mode"] for r in records))
     objectives = list(dict.fromkeys(r["objective"] for r in records))
-    fig, axes = _new_figure(1, max(len(modes), 1), (6.2 * max(len(modes), 1), 4.8),
-                            dict(left=0.07, right=0.99, bottom=0.11, top=0.92, wspace=0.12), sharey=True)
+    fig, axes = _mode_panels(len(modes))
     colors = {o: f"C{i % 10}" for i, o in enumerate(objectives)}
     for ax, mode in zip(axes[0], modes):
         for r in (r for r in records if r["draft_mode"] == mode):
@@ -187,10 +195,6 @@ def plot_ablation(path: Path, records: list[dict]) -> None:
             if ok.sum() >= 2 and math.isfinite(fit.slope):      # the fitted line through the points' centroid
                 xs = np.linspace(x[ok].min(), x[ok].max(), 20)
                 ax.plot(xs, y[ok].mean() + fit.slope * (xs - x[ok].mean()), color=colors[r["objective"]])
-        ax.set(title=f"{mode} drafting", xlabel="mean entropy H(p) at reached draft positions (nats), per RL step",
-               ylabel="acceptance rate (accepted / proposed)", ylim=(0, 1))
-        ax.yaxis.set_tick_params(labelleft=True)
-        ax.grid(alpha=0.3)
-        if ax.get_legend_handles_labels()[0]:
-            ax.legend(fontsize=7, loc="best", title="objective: slope per step, 95% CI", title_fontsize=7)
+        _finish_mode_panel(ax, mode, "mean entropy H(p) at reached draft positions (nats), per RL step",
+                           "objective: slope per step, 95% CI")
     _save(fig, path)
