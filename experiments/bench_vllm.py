@@ -60,7 +60,7 @@ class AgainstVLLMConfig:
     repeats: int = 3                    # timed calls per (setting, batch, engine), after one warm-up call
     engines: list[str] = field(default_factory=lambda: list(VARIANTS))       # subset of VARIANTS
     vllm_compile: bool = False          # vLLM without enforce_eager (torch.compile; CUDA graphs on GPU)
-    torch_compile: bool | None = None   # our engine's EngineConfig.compile (None = auto: compiled for SmolLM2)
+    torch_compile: bool | None = None   # our engine's EngineConfig.compile (None = auto: eager on CPU, compiled on GPU)
     device: str = "cpu"                 # of our engine (vLLM picks its platform itself)
     gpu_memory_utilization: float = 0.3  # per vLLM instance (two run at once on a GPU)
     seed: int = 1000                    # repeat r uses seed + r for every engine

@@ -10,9 +10,10 @@ class EngineConfig:
     compiled and eager give the same tokens; speculation is lossless either way)."""
 
     # torch.compile the decoder layer and head block (inductor; GPU: CUDA graphs). False = eager,
-    # for debugging. None = auto: compile models with >= 20M parameters on GPU and in bfloat16 on
-    # CPU (SmolLM2 bf16 on an AMX CPU: 18.3 vs ~11 tok/s plain at batch 1, 12-38 s of compile time;
-    # float32 on CPU stays eager, where compiling was not shown to pay: experiments/LOG.md).
+    # for debugging. None = auto: compile models with >= 20M parameters on GPU; CPUs stay eager,
+    # where the prepacked bf16 linears (rollout.models.fast_linear, which compiled graphs cannot
+    # use) and the copy-free GQA attention made eager faster: SmolLM2 bf16 plain 21.8 vs 17.4
+    # tok/s at batch 1 and 116 vs 89 at batch 8 (AMD EPYC, experiments/LOG.md session 5).
     compile: bool | None = None
     # batch sizes compiled for; a batch runs in the smallest bucket that holds it, finished rows
     # are compacted into a smaller bucket as soon as the active ones fit.

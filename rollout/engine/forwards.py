@@ -35,9 +35,8 @@ class Forwards:
     def __init__(self, policy: CausalLM, heads: MTPHeads | None, compile: bool | None):
         self.policy, self.heads = policy, heads
         self.device = policy.model.embed_tokens.weight.device
-        if compile is None:   # auto: GPUs, and bf16 on CPU, where it was measured to pay (experiments/LOG.md)
-            dtype = policy.model.embed_tokens.weight.dtype
-            compile = ((self.device.type == "cuda" or dtype == torch.bfloat16)
+        if compile is None:   # auto: GPUs only (on CPU eager was faster: EngineConfig.compile)
+            compile = (self.device.type == "cuda"
                        and sum(p.numel() for p in policy.parameters()) >= AUTO_COMPILE_MIN_PARAMS)
         self.compiled = bool(compile)
         self.compile_times: dict[tuple, float] = {}  # (graph, shapes) -> seconds of its first call
