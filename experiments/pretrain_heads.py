@@ -174,13 +174,25 @@ def run(cfg: TrainHeadsConfig, resolved: str = "", policy=None, loaded=None) -> 
     out = Path(cfg.out).expanduser() if cfg.out else default_out(cfg.model)
     check_writable(out.parent, "out directory")     # before the model, the data and minutes of training
     check_writable(cache_dir(), "the cache ($MTP_ROLLOUT_CACHE), where evaluation sets and generated data are kept")
+    encode = None                              # task text -> prompt ids, needed only to generate data
     if policy is None:
-        from trainers.policy import load_rl_policy
-        rl = load_rl_policy(cfg.model)         # a named model, a file, or the tiny test model
-        policy, encode = rl.model, rl.codec.encode_prompt
-    else:
+        from trainers.policy import BUILTIN_POLICIES, load_rl_policy
+        if cfg.model in BUILTIN_POLICIES:      # the tiny test model: its prompts are bytes
+            rl = load_rl_policy(cfg.model)
+            policy, encode = rl.model, rl.codec.encode_prompt
+        else:
+            from rollout.models.decoder import build_model
+            from rollout.models.loaders import load_model
+            loaded = load_model(cfg.model)
+            policy = build_model(loaded.config, loaded.state_dict)
+    if encode is None:
         from trainers.codec import ChatCodec
-        encode = ChatCodec(loaded).encode_prompt
+
+        def encode(text: str) -> list[int]:    # the chat template; a model without a tokenizer fails here
+            if loaded is None:
+                raise ValueError("generating head training data needs the model's tokenizer: pass `loaded`, "
+                                 "or point data.store at a token store")
+            return ChatCodec(loaded).encode_prompt(text)
     train, held, data_desc = open_data(cfg, policy, encode, cfg.progress)
     vocab = None if cfg.train.init.endswith(".safetensors") and not cfg.train.draft_vocab_size else \
         draft_vocab_for(cfg, policy, train)
