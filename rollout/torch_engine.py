@@ -95,11 +95,12 @@ class TorchEngine:
             if bucket(n_active, self.config.batch_buckets) < st.batch:
                 st = self._compact(st, results, n_active, ctx)
             if adaptive is not None:
-                choice = adaptive.choose()
+                choice = adaptive.choose(st.batch)
                 choices.append(choice)
                 k = choice.k
             else:
                 k = k_max
+            t_round, compile_s = time.perf_counter(), self.forwards.compile_time_s
             before = st.committed.sum()
             r = run_round(ctx, st, k)
             if k > 0:
@@ -113,8 +114,11 @@ class TorchEngine:
                 ((r.num_accepted[:, None] >= pos) & drafted[:, None]).sum(0),    # reached j
             ]).tolist()
             n_active = counts[0]
-            if adaptive is not None and k > 0:
-                adaptive.observe(counts[2:2 + k], counts[2 + k:])
+            if adaptive is not None:
+                if self.forwards.compile_time_s == compile_s:   # a round that compiled is no cost sample
+                    adaptive.observe_time(k, time.perf_counter() - t_round)
+                if k > 0:
+                    adaptive.observe(counts[2:2 + k], counts[2 + k:])
             if progress is not None:
                 progress(counts[1], sum(counts[2:2 + k]), k * int(drafted.sum()))
         results.save(st)

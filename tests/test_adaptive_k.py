@@ -41,6 +41,39 @@ def test_choice_maximises_expected_tokens_per_cost():
     assert mid.choose().k == 1                      # E(1)/cost = 1.5/1.35 beats k = 2, 3 and plain
 
 
+def test_measured_round_times_replace_the_forward_only_cost_model():
+    """The model says k = 1 pays (E = 1.5 for cost 1.15); timed rounds say a k = 1 round takes 1.6
+    plain rounds (accept/commit work the model does not count): adaptive k falls back to plain,
+    keeps the times per batch bucket, and re-times a plain round every time_plain_every rounds."""
+    ak = AdaptiveK(1, COSTS, time_plain_every=10)
+    for _ in range(20):
+        ak.observe([4], [8])                               # acceptance 0.5
+    first = ak.choose(bucket=8)
+    assert first.k == 1 and first.reason == "best"         # nothing timed yet: the model decides
+    ak.observe_time(1, 0.160)
+    second = ak.choose(bucket=8)
+    assert (second.k, second.reason) == (0, "time_plain")  # a k = 1 time needs a plain time to divide by
+    ak.observe_time(0, 0.100)
+    third = ak.choose(bucket=8)
+    assert third.k == 0 and third.cost == pytest.approx(1.0) and ak.round_cost(1) == pytest.approx(1.6)
+    assert ak.choose(bucket=16).k == 1                     # another bucket: not timed, the model again
+    fast = AdaptiveK(1, COSTS, time_plain_every=10)
+    for _ in range(20):
+        fast.observe([4], [8])
+    fast.choose(bucket=8)
+    fast.observe_time(1, 0.110)
+    fast.choose(bucket=8)
+    fast.observe_time(0, 0.100)
+    ks = []
+    for _ in range(25):                                    # k = 1 measured at 1.1 plain rounds: it pays
+        c = fast.choose(bucket=8)
+        fast.observe_time(c.k, 0.110 if c.k else 0.100)
+        ks.append(c.reason)
+    assert ks.count("best") >= 22 and 1 <= ks.count("time_plain") <= 3
+    ak.observe_time(1, float("nan"))                       # bad samples are ignored
+    assert ak.seconds == {(8, 1): 0.160, (8, 0): 0.100}
+
+
 def _weak_heads(policy):
     """Untrained heads drafting from a one-token draft vocabulary: acceptance ~ p(that token)."""
     heads = random_heads(policy, 2, seed=1)
@@ -48,7 +81,9 @@ def _weak_heads(policy):
     return heads
 
 
-def test_untrained_heads_settle_at_plain_decoding_apart_from_probes(tiny_policy):
+def test_untrained_heads_settle_at_plain_decoding_apart_from_probes(tiny_policy, monkeypatch):
+    # the given cost model alone decides (measured round times of a tiny model are noise: tested below)
+    monkeypatch.setattr(AdaptiveK, "observe_time", lambda self, k, seconds: None)
     engine = TorchEngine(tiny_policy, _weak_heads(tiny_policy), config=EngineConfig(adaptive_k=True, probe_every=8))
     engine.costs[4] = COSTS
     out = engine.generate(PROMPTS, SamplingParams(max_new_tokens=40, temperature=1.0, ignore_eos=True,

@@ -9,6 +9,13 @@ that acceptance keeps being measured and improved heads are noticed: the first a
 plain rounds, then after twice as many each time a probe changes nothing, up to `max_probe_every`
 (a probe with weak heads costs ~2.5 plain rounds for ~1.3 tokens, so fixed probes every 8 rounds
 held weak heads at ~0.88x plain). Drafting paying again, or new heads, restarts the interval.
+
+The cost model counts forwards only, and a speculative round also pays for more accept and commit
+work (at batch 8 in bf16 that turned k = 1's predicted +8% into -6%: experiments/LOG.md session 5).
+So the engine also reports each round's wall time (`observe_time`); once rounds with k drafts and
+plain rounds have both been timed at the current batch bucket, their measured ratio replaces the
+model's cost for k, and while drafting wins a plain round is timed every `time_plain_every` rounds
+to keep that ratio current.
 """
 from __future__ import annotations
 
@@ -33,9 +40,10 @@ class KChoice:
 
     round: int
     k: int
-    reason: str                     # "best": argmax of tokens per cost; "probe": measuring at k = 0
+    reason: str                     # "best": argmax of tokens per cost; "probe": drafting while k = 0 wins;
+                                    # "time_plain": a plain round timed so that measured costs stay current
     expected_tokens: float          # E(k) under the current acceptance estimate
-    cost: float                     # k * c_head + V(k+1)
+    cost: float                     # k * c_head + V(k+1), or the measured round-time ratio
     tokens_per_cost: float
     plain_tokens_per_cost: float    # 1 / V(1) = 1: the k = 0 alternative
     acceptance: tuple[float, ...]   # smoothed conditional acceptance per draft position
@@ -45,7 +53,8 @@ class AdaptiveK:
     """Per-position acceptance estimate + the cost model -> k per round."""
 
     def __init__(self, k_max: int, costs: CostModel, *, halflife: float = 32.0, probe_every: int = 8,
-                 max_probe_every: int = 128, prior: float = 0.5, prior_weight: float = 2.0):
+                 max_probe_every: int = 128, prior: float = 0.5, prior_weight: float = 2.0,
+                 time_halflife: float = 8.0, time_plain_every: int = 32):
         if len(costs.verify) < k_max + 1:
             raise ValueError(f"the cost model covers V(1..{len(costs.verify)}), k_max={k_max} needs V({k_max + 1})")
         self.k_max, self.costs, self.probe_every = k_max, costs, probe_every
@@ -57,6 +66,12 @@ class AdaptiveK:
         self.reached = [prior_weight] * k_max
         self.rounds = 0
         self.plain_streak = 0
+        # (batch bucket, k) -> smoothed wall seconds of such a round; the bucket of the current round
+        self.seconds: dict[tuple[int, int], float] = {}
+        self.bucket: int | None = None
+        self.time_decay = 0.5 ** (1.0 / time_halflife)
+        self.time_plain_every = time_plain_every
+        self.last_plain = 0                    # round index of the last plain round
 
     def acceptance(self) -> list[float]:
         return [a / r if r > 0 else 0.0 for a, r in zip(self.accepted, self.reached)]
@@ -68,11 +83,24 @@ class AdaptiveK:
             e += run
         return e
 
-    def choose(self) -> KChoice:
-        rates = [self.expected_tokens(k) / self.costs.round_cost(k) for k in range(self.k_max + 1)]
+    def round_cost(self, k: int) -> float:
+        """Cost of a k-draft round in plain rounds: measured when both are timed at this bucket."""
+        t_k, t_0 = self.seconds.get((self.bucket, k)), self.seconds.get((self.bucket, 0))
+        if k > 0 and t_k is not None and t_0 is not None and t_0 > 0:
+            return t_k / t_0
+        return self.costs.round_cost(k)
+
+    def choose(self, bucket: int | None = None) -> KChoice:
+        """The k of the next round; `bucket` = its batch bucket (keys the measured round times)."""
+        self.bucket = bucket
+        rates = [self.expected_tokens(k) / self.round_cost(k) for k in range(self.k_max + 1)]
         best = max(range(self.k_max + 1), key=lambda k: (rates[k], -k))
         reason = "best"
-        if best == 0:
+        timed = any(b == bucket for b, _ in self.seconds)
+        if best > 0 and timed and ((bucket, 0) not in self.seconds
+                                   or self.rounds - self.last_plain >= self.time_plain_every):
+            best, reason = 0, "time_plain"     # refresh the plain round time the measured costs divide by
+        elif best == 0:
             self.plain_streak += 1
             if self.k_max > 0 and self.plain_streak >= self.probe_interval:
                 best, reason = self.k_max, "probe"
@@ -81,10 +109,20 @@ class AdaptiveK:
         else:
             self.plain_streak = 0
             self.probe_interval = self.probe_every
-        choice = KChoice(self.rounds, best, reason, self.expected_tokens(best), self.costs.round_cost(best),
+        if best == 0:
+            self.last_plain = self.rounds
+        choice = KChoice(self.rounds, best, reason, self.expected_tokens(best), self.round_cost(best),
                          rates[best], rates[0], tuple(round(a, 4) for a in self.acceptance()))
         self.rounds += 1
         return choice
+
+    def observe_time(self, k: int, seconds: float) -> None:
+        """Wall time of the round just run with k drafts, at the bucket passed to choose()."""
+        if not (seconds > 0 and math.isfinite(seconds)) or self.bucket is None:
+            return
+        key = (self.bucket, k)
+        old = self.seconds.get(key)
+        self.seconds[key] = seconds if old is None else old * self.time_decay + seconds * (1 - self.time_decay)
 
     def heads_changed(self) -> None:
         """New head weights (a co-trainer refresh): probe them soon instead of after a long backoff."""
