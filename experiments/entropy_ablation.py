@@ -151,7 +151,8 @@ def summarize_group(steps: list[dict]) -> dict:
 
 def summarize_run(run_dir: Path) -> dict:
     """One cell's record: its monitor's steps and rl.jsonl's rollout times and rewards."""
-    steps = [r for r in AcceptanceMonitor.load_records(run_dir) if "event" not in r]
+    records = AcceptanceMonitor.load_records(run_dir)
+    steps = [r for r in records if "event" not in r]
     rl = read_jsonl(run_dir / "rl.jsonl")
     tokens = sum(s.get("num_tokens", 0) for s in steps)
     rollout_s = sum(r["rollout_s"] for r in rl)
@@ -159,7 +160,7 @@ def summarize_run(run_dir: Path) -> dict:
     return {"steps": len(steps), "tokens": tokens, "rollout_s": rollout_s,
             "rollout_tok_s": tokens / rollout_s if rollout_s else math.nan,
             "reward_first": rl[0]["reward"] if rl else math.nan, "reward_last": rl[-1]["reward"] if rl else math.nan,
-            "refreshes": sum(1 for r in AcceptanceMonitor.load_records(run_dir) if r.get("event") == "head_refresh"),
+            "refreshes": sum(1 for r in records if r.get("event") == "head_refresh"),
             **summarize_group(steps),
             "domains": {d: summarize_group([s["domains"][d] for s in steps if d in s.get("domains", {})])
                         for d in domains},

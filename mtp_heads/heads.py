@@ -6,9 +6,9 @@ hidden state for j = 1) and the embedding of token x_{i+j}, and predicts x_{i+j+
     h^j_i = norm_j(blocks_j(eh_proj_j([enorm_j(emb(x_{i+j})), hnorm_j(h^{j-1}_i)]))),
     q_j(. | x_<=i+j) = softmax(W h^j_i / T)
 
-`blocks_j` is one decoder layer (DeepSeek-V3, EAGLE) or a stack of `num_layers` of them, which
-buys capacity: a one-layer head on a 135M policy stopped improving with more data and steps
-(experiments/LOG.md). The embedding `emb` and the LM head `W` are the policy's own (shared and
+`blocks_j` is one decoder layer (DeepSeek-V3, EAGLE) or a stack of `num_layers` of them (on
+SmolLM2-135M a second layer bought nothing over one at equal data and steps: experiments/LOG.md,
+session 5). The embedding `emb` and the LM head `W` are the policy's own (shared and
 frozen), so a head checkpoint only holds the per-depth modules. Drafting k > D tokens reuses depth D.
 """
 from __future__ import annotations
@@ -183,6 +183,13 @@ def init_heads(policy: CausalLM, num_depths: int, seed: int = 0, num_layers: int
     return heads.to(device=p.device, dtype=p.dtype)
 
 
+def zero_residual_branches(block: DecoderLayer) -> None:
+    """Make a decoder layer the identity: its attention and MLP outputs are zeroed (in place)."""
+    with torch.no_grad():
+        block.self_attn.o_proj.weight.zero_()
+        block.mlp.down_proj.weight.zero_()
+
+
 def grow_layers(heads: MTPHeads, policy: CausalLM, num_layers: int) -> MTPHeads:
     """The same drafter with `num_layers` layers per depth: the added layers (copies of the policy's
     last layer) have their residual branches zeroed, so they start as the identity and the grown
@@ -194,10 +201,8 @@ def grow_layers(heads: MTPHeads, policy: CausalLM, num_layers: int) -> MTPHeads:
     grown = grown.to(device=p.device, dtype=p.dtype)
     missing, _ = grown.load_state_dict(heads.state_dict(), strict=False)
     assert all(".blocks." in m for m in missing), missing
-    with torch.no_grad():
-        for depth in grown.depths:
-            for block in depth.blocks[heads.num_layers:]:
-                block.load_state_dict(policy.model.layers[-1].state_dict())
-                block.self_attn.o_proj.weight.zero_()
-                block.mlp.down_proj.weight.zero_()
+    for depth in grown.depths:
+        for block in depth.blocks[heads.num_layers:]:
+            block.load_state_dict(policy.model.layers[-1].state_dict())
+            zero_residual_branches(block)
     return grown

@@ -27,7 +27,7 @@ from tqdm.auto import tqdm
 
 from mtp_heads.checkpoint import HeadMeta, draft_vocab_of, load_heads, save_heads, set_draft_vocab
 from mtp_heads.distill import DistillBatch, DraftVocabMap, batch_from_sequences, check_objective, distill_loss
-from mtp_heads.heads import MTPHeads, grow_layers, init_heads
+from mtp_heads.heads import MTPHeads, grow_layers, init_heads, zero_residual_branches
 from rollout.fileio import atomic_write
 from rollout.models.decoder import CausalLM
 
@@ -118,10 +118,9 @@ def _identity_init(policy: CausalLM, num_depths: int, num_layers: int, seed: int
     rms = float(h.pow(2).mean(1).sqrt().median()) if h is not None else 1.0
     d = policy.config.hidden_size
     with torch.no_grad():
-        for block in (b for depth in heads.depths for b in depth.blocks):
-            block.self_attn.o_proj.weight.zero_()
-            block.mlp.down_proj.weight.zero_()
         for depth in heads.depths:
+            for block in depth.blocks:
+                zero_residual_branches(block)
             depth.eh_proj.weight.copy_(torch.cat([torch.zeros(d, d), torch.eye(d)], dim=1))
             depth.hnorm.weight.fill_(1.0)
             depth.norm.weight.fill_(rms)

@@ -34,7 +34,8 @@ from rollout.models.decoder import CausalLM, DecoderLayer
 def _qkv(block: DecoderLayer, policy: CausalLM, x: torch.Tensor,
          positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
     # x [B, n, d] the block's input (residual stream); positions [B, n] -> q [B, H, n, hd],
-    # k, v [B, H, n, hd] (K/V repeated over query groups, as rollout.models.decoder.Attention does)
+    # k, v [B, H, n, hd] (K/V repeated over query groups: the chain attention below adds per-chain keys,
+    # so it cannot read a shared cache the way rollout.models.decoder.Attention does)
     attn = block.self_attn
     q, k, v = attn.project_qkv(block.input_layernorm(x), policy.model.rotary(positions))
     groups = attn.n_heads // attn.n_kv

@@ -21,9 +21,9 @@ import json
 import textwrap
 import tokenize
 import typing
+from collections.abc import Callable
 from datetime import datetime
 from pathlib import Path
-from collections.abc import Callable
 from typing import Any, TypeVar
 
 from omegaconf import DictConfig, OmegaConf
