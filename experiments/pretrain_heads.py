@@ -31,8 +31,8 @@ from experiments.heads_data import GenerateConfig
 from mtp_heads.checkpoint import HeadMeta, default_heads_path, load_heads, read_meta
 from mtp_heads.evaluate import EvalSet, format_acceptance, teacher_forced_acceptance
 from mtp_heads.heads import MTPHeads
-from mtp_heads.pretrain import TrainConfig, train_heads
-from mtp_heads.shipped import load_shipped_heads
+from mtp_heads.pretrain import SHIPPED_INIT, TrainConfig, train_heads
+from mtp_heads.shipped import load_shipped_heads, shipped_heads_path
 from mtp_heads.token_data import draft_vocab_from_counts, trained_token_counts
 from rollout.config_loader import config_help, load_config, wants_help
 from rollout.fileio import atomic_write
@@ -166,10 +166,22 @@ def draft_vocab_for(cfg: TrainHeadsConfig, policy, train) -> torch.Tensor | None
     return draft_vocab_from_counts(counts, cfg.train.draft_vocab_size, always=policy.config.eos_token_ids)
 
 
+def with_shipped_init(cfg: TrainHeadsConfig) -> TrainHeadsConfig:
+    """train.init=shipped: fine-tune the heads shipped for cfg.model (mtp_heads/default_heads)."""
+    if cfg.train.init != SHIPPED_INIT:
+        return cfg
+    path = shipped_heads_path(cfg.model)
+    if path is None:
+        raise ValueError(f"train.init=shipped: no heads are shipped for model {cfg.model!r}; "
+                         "use last_layer or a .safetensors checkpoint")
+    return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, init=str(path)))
+
+
 def run(cfg: TrainHeadsConfig, resolved: str = "", policy=None, loaded=None) -> dict:
     """Data -> draft vocabulary -> training with periodic evaluation -> report. Returns the report."""
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
+    cfg = with_shipped_init(cfg)
     t0 = time.perf_counter()
     out = Path(cfg.out).expanduser() if cfg.out else default_out(cfg.model)
     check_writable(out.parent, "out directory")     # before the model, the data and minutes of training

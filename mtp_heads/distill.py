@@ -16,7 +16,8 @@ Head pre-training (mtp_heads.pretrain) and the co-trainer (trainers.cotrainer) b
            renormalised on S; the optimum of TV(p_S, q) is also the best q supported on S for the
            true TV(p, q). Drafting computes exactly these |S| rows (MTPHeads.draft_logits).
 * losses   `OBJECTIVES`: one entry per kind of mtp_heads.losses.draft_loss; "tv" and "tv_e2e" go
-           through the fused kernels (no [N, V] tensors). Every objective is the mean over steps
+           through the fused kernels (no [N, V] tensors); "tv_top64" is "tv" restricted to the union of
+           p's and q's 64 most likely tokens (Bebop's top-K TV, an ablation row). Every objective is the mean over steps
            of the mean over that step's rows; "tv_e2e" is (k - E[accepted of k]) / k, in [0, 1].
 """
 from __future__ import annotations
@@ -202,6 +203,15 @@ def _tv(r: StepRows, vm: DraftVocabMap, temperature: float) -> torch.Tensor:
     return fused_linear_tv_loss(r.student.float(), r.target.float(), vm.weight, temperature)
 
 
+TOP_K_TV = 64   # Bebop's top-K TV: the loss sees only the union of p's and q's 64 most likely tokens
+
+
+def _tv_top_k(r: StepRows, vm: DraftVocabMap, temperature: float) -> torch.Tensor:
+    with torch.no_grad():
+        target = vm.logits(r.target)                                                       # [N, |S|]
+    return draft_loss("tv", vm.logits(r.student), target_logits=target, temperature=temperature, top_k=TOP_K_TV)
+
+
 def _tv_e2e(rows: list[StepRows], vm: DraftVocabMap, temperature: float) -> torch.Tensor:
     student = torch.stack([r.student for r in rows], 1).float()                            # [N, k, d]
     target = torch.stack([r.target for r in rows], 1).float()
@@ -221,6 +231,8 @@ OBJECTIVES: dict[str, Objective] = {
     "rkl": Objective(_logit_kind("rkl"), False, "KL(q || p): mode-seeking"),
     "tv": Objective(_per_step_mean(_tv), False, "TV(p, q) = 1 - rejection-mode acceptance, per step"),
     "tv_e2e": Objective(_tv_e2e, True, "(k - E[accepted drafts of k]) / k over whole chains"),
+    f"tv_top{TOP_K_TV}": Objective(_per_step_mean(_tv_top_k), False,
+                                   f"TV on the union of p's and q's top-{TOP_K_TV} tokens only (Bebop's top-K TV)"),
 }
 
 

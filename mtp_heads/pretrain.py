@@ -49,6 +49,9 @@ class Phase:
                              f"lr={self.lr}, unroll_steps={self.unroll_steps}")
 
 
+SHIPPED_INIT = "shipped"   # train.init: the shipped heads of the model (resolved by experiments.pretrain_heads)
+
+
 def _default_phases() -> list[Phase]:
     return [Phase("fkl", 60), Phase("tv", 60)]
 
@@ -70,7 +73,9 @@ class TrainConfig:
     grad_clip: float = 1.0             # max gradient norm (0 = no clipping)
     temperature: float = 1.0           # of teacher p and student q in the loss
     draft_vocab_size: int = 8192       # most frequent trained tokens (+ EOS) the heads draft from; 0 = all
-    init: str = "last_layer"           # a key of HEAD_INITS, or a head checkpoint to fine-tune from
+    init: str = "last_layer"           # a key of HEAD_INITS, a head checkpoint to fine-tune from, or
+                                       # "shipped": the heads shipped for the model (its draft vocabulary kept
+                                       # when draft_vocab_size is 0)
     checkpoint_every: int = 50         # steps between checkpoints (0 = only at the end)
     eval_every: int = 0                # steps between held-out evaluations (0 = only at the end)
     seed: int = 0                      # initialisation and batch order
@@ -84,9 +89,9 @@ class TrainConfig:
         if self.batch_tokens < 1 or self.max_seq_len < self.unroll_steps + 2:
             raise ValueError(f"need batch_tokens >= 1 and max_seq_len >= unroll_steps + 2, got "
                              f"{self.batch_tokens}, {self.max_seq_len}")
-        if self.init not in HEAD_INITS and not self.init.endswith(".safetensors"):
-            raise ValueError(f"unknown head init {self.init!r}; choose one of {sorted(HEAD_INITS)} "
-                             "or a .safetensors head checkpoint")
+        if self.init not in HEAD_INITS and self.init != SHIPPED_INIT and not self.init.endswith(".safetensors"):
+            raise ValueError(f"unknown head init {self.init!r}; choose one of {sorted(HEAD_INITS)}, "
+                             f"{SHIPPED_INIT!r} or a .safetensors head checkpoint")
         if self.draft_vocab_size < 0:
             raise ValueError(f"draft_vocab_size must be >= 0 (0 = full vocabulary), got {self.draft_vocab_size}")
 

@@ -172,3 +172,27 @@ def test_cotrainer_honours_the_draft_vocabulary_and_raises_held_out_acceptance(p
     # drafting from the refreshed heads only ever proposes draft-vocabulary tokens
     logits = after_heads.draft_logits(policy, torch.randn(4, policy.config.hidden_size))
     assert torch.isinf(logits[:, 1::2]).all() and torch.isfinite(logits[:, ::2]).all()
+
+
+def test_top_k_tv_objective_equals_a_direct_computation():
+    """tv_top64 (Bebop's top-K TV row of the ablation) = 0.5 * sum |p - q| over the union of p's and q's
+    64 most likely draft-vocabulary tokens, recomputed here in plain torch; it never exceeds full TV and
+    its gradient flows to the student."""
+    from mtp_heads.distill import OBJECTIVES, TOP_K_TV, StepRows
+
+    g = torch.Generator().manual_seed(0)
+    W = torch.randn(300, 16, generator=g)                          # |S| = 300 draft rows, d = 16
+    vm = DraftVocabMap(W, None)
+    student = torch.randn(40, 16, generator=g, requires_grad=True)
+    target = torch.randn(40, 16, generator=g)
+    rows = [StepRows(student, target, torch.zeros(40, dtype=torch.long))]
+    loss = OBJECTIVES[f"tv_top{TOP_K_TV}"].fn(rows, vm, 0.8)
+    p, q = torch.softmax(target @ W.T / 0.8, -1), torch.softmax(student.detach() @ W.T / 0.8, -1)
+    union = torch.zeros_like(p, dtype=torch.bool)
+    union.scatter_(1, p.topk(TOP_K_TV, -1).indices, True)
+    union.scatter_(1, q.topk(TOP_K_TV, -1).indices, True)
+    expected = (0.5 * ((p - q).abs() * union).sum(-1)).mean()
+    assert torch.allclose(loss, expected, atol=1e-6)
+    assert float(loss) < float(0.5 * (p - q).abs().sum(-1).mean())   # the tail outside the union is left out
+    loss.backward()
+    assert student.grad is not None and float(student.grad.abs().sum()) > 0

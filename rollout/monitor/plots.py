@@ -1,7 +1,8 @@
 """The monitor's two figures: acceptance vs entropy (per position and per step), and
 acceptance, entropy and tau over RL steps with refreshes and alerts marked; the entropy
-sweep's figure (acceptance vs mean entropy per temperature, a panel per draft mode); and the
-ablation's (acceptance vs entropy per RL step, a panel per draft mode, a colour per objective).
+sweep's figure (acceptance vs mean entropy per temperature, a panel per draft mode); the
+ablation's (acceptance vs entropy per RL step, a panel per draft mode, a colour per objective); and
+the refresh-schedule study's (acceptance and entropy per RL step, a line per schedule).
 
 matplotlib's object API on Agg: no pyplot, no global backend switch, safe in Ray workers
 and threads. PNGs are written atomically so a viewer never shows half a file.
@@ -197,4 +198,29 @@ def plot_ablation(path: Path, records: list[dict]) -> None:
                 ax.plot(xs, y[ok].mean() + fit.slope * (xs - x[ok].mean()), color=colors[r["objective"]])
         _finish_mode_panel(ax, mode, "mean entropy H(p) at reached draft positions (nats), per RL step",
                            "objective: slope per step, 95% CI")
+    _save(fig, path)
+
+
+def plot_refresh_study(path: Path, records: list[dict]) -> None:
+    """The refresh-schedule study's figure: acceptance rate and mean entropy per RL step, a line per
+    schedule, each refresh marked with a triangle on its schedule's line; the legend gives each
+    schedule's refreshes and co-trainer training seconds."""
+    fig, axes = _new_figure(2, 1, (10, 7), dict(left=0.08, right=0.98, bottom=0.07, top=0.97, hspace=0.08),
+                            sharex=True)
+    ax_acc, ax_ent = axes[:, 0]
+    for i, r in enumerate(records):
+        color = f"C{i % 10}"
+        steps, acc = _column(r["per_step"], "step"), _column(r["per_step"], "acceptance_rate")
+        label = (f"{r['schedule']}: {len(r['refresh_steps'])} refreshes, "
+                 f"{as_float(r['cotrainer_train_s']):.0f} s co-trainer training")
+        ax_acc.plot(steps, acc, "o-", ms=3, color=color, label=label)
+        hit = np.isin(steps, np.asarray(r["refresh_steps"], dtype=np.float64))
+        ax_acc.plot(steps[hit], acc[hit], "^", ms=8, color=color)
+        ax_ent.plot(steps, _column(r["per_step"], "entropy"), "o-", ms=3, color=color, label=r["schedule"])
+    ax_acc.set(ylabel="acceptance rate (accepted / proposed)")
+    ax_ent.set(ylabel="mean entropy at drafted positions (nats)", xlabel="RL step")
+    for ax in (ax_acc, ax_ent):
+        ax.grid(alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=7, loc="best")
     _save(fig, path)

@@ -1,0 +1,131 @@
+"""`mtp-rollout refresh-study`: when should the co-trainer refresh the heads? One RL run per schedule.
+
+    mtp-rollout refresh-study                              # configs/refresh_study.yaml: SmolLM2, 4 schedules
+    mtp-rollout refresh-study configs/refresh_study_tiny.yaml   # the small setting CI runs (tiny model)
+    mtp-rollout refresh-study --help                       # every key, its default and meaning
+
+Every schedule runs the same RL job (`rl_config` with `rl` overrides: same prompts, seeds, heads and
+draft mode) and differs only in its co-trainer settings: `never` (heads pre-trained once, no
+co-trainer at all: Bebop's claim is that this suffices for sampled drafts with TV-trained heads),
+refresh every N steps, when entropy rose, when acceptance dropped. Per schedule: acceptance rate
+and acceptance length over the run and per step, the refreshes made and the co-trainer compute they
+spent (sum of the refreshes' training seconds). out_dir holds runs/<schedule>/ and the results
+refresh.json, refresh.csv, refresh.md and refresh.png (acceptance per step, a line per schedule,
+refreshes marked); `results_dir` gets a copy. Finished runs are reused, interrupted ones resumed.
+"""
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from experiments.entropy_ablation import preset, run_cell, summarize_run
+from rollout.config_loader import preset_main, write_resolved
+from rollout.fileio import atomic_write
+from rollout.monitor.monitor import AcceptanceMonitor
+from rollout.monitor.plots import plot_refresh_study
+from rollout.monitor.records import json_safe, records_csv
+from rollout.run_dir import RunLock
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+DEFAULT_CONFIG = CONFIGS / "refresh_study.yaml"
+RESULTS = ("refresh.json", "refresh.csv", "refresh.md", "refresh.png")
+
+
+@dataclass(frozen=True)
+class RefreshStudyConfig:
+    """The schedules (name -> co-trainer overrides) and the RL run they share."""
+
+    # name -> key=value co-trainer overrides; set in the YAML (dicts merge key by key, so a default here
+    # would be added to every YAML's schedules)
+    schedules: dict[str, list[str]] = field(default_factory=dict)
+    rl_config: str = "async_rl"           # RL preset every schedule runs (configs/<name>.yaml) or a YAML path
+    rl: list[str] = field(default_factory=list)   # key=value overrides of every run (heads, steps, draft mode)
+    out_dir: str = "runs/refresh_study"   # runs/<schedule>/ and the results; finished runs are reused
+    results_dir: str = ""                 # also copy the result files here ("" = no copy)
+    progress: bool = True                 # progress bars of the RL runs
+
+    def __post_init__(self) -> None:
+        if not self.schedules:
+            raise ValueError("schedules must name at least one co-trainer schedule")
+        for name, entries in {"rl": self.rl, **{f"schedules.{k}": v for k, v in self.schedules.items()}}.items():
+            bad = [e for e in entries if "=" not in e]
+            if bad:
+                raise ValueError(f"{name} entries must be key=value overrides, got {bad}")
+
+
+def summarize_schedule(name: str, run_dir: Path) -> dict:
+    """A run's summary (experiments.entropy_ablation.summarize_run) plus the co-trainer's cost."""
+    records = AcceptanceMonitor.load_records(run_dir)
+    refreshes = [r for r in records if r.get("event") == "head_refresh"]
+    steps = [r for r in records if "event" not in r]
+    detail = [r.get("detail", {}) for r in refreshes]
+    return {"schedule": name, **summarize_run(run_dir),
+            "refresh_steps": [int(d.get("refresh_step", r["step"])) for d, r in zip(detail, refreshes)],  # decided after
+            "published_at": [r["step"] for r in refreshes],          # the driver's step when the heads reached workers
+            "cotrainer_train_s": sum(float(d.get("train_time_s") or 0.0) for d in detail),
+            "per_step": [{"step": s["step"], "acceptance_rate": s.get("acceptance_rate"),
+                          "acceptance_length": s.get("acceptance_length"), "entropy": s.get("entropy_drafted"),
+                          "head_version": s.get("head_version_max")} for s in steps]}
+
+
+def _num(x, spec: str = ".3f") -> str:
+    return format(x, spec) if isinstance(x, (int, float)) and math.isfinite(x) else "n/a"
+
+
+def table(records: list[dict]) -> str:
+    lines = ["| schedule | steps | refreshes (at steps) | co-trainer training s | acceptance rate | acceptance length "
+             "| acceptance first -> last step | entropy first -> last |", "|" + "---|" * 8]
+    # refreshes are listed by the step whose rollouts triggered them; their heads draft from a later step
+    for r in records:
+        acc = [s["acceptance_rate"] for s in r["per_step"]]
+        at = ", ".join(str(s) for s in r["refresh_steps"]) or "-"
+        lines.append(f"| {r['schedule']} | {r['steps']} | {len(r['refresh_steps'])} ({at}) | "
+                     f"{_num(r['cotrainer_train_s'], '.1f')} | {_num(r['acceptance_rate'])} | "
+                     f"{_num(r['acceptance_length'], '.2f')} | {_num(acc[0] if acc else math.nan)} -> "
+                     f"{_num(acc[-1] if acc else math.nan)} | {_num(r['entropy_first'])} -> {_num(r['entropy_last'])} |")
+    return "\n".join(lines) + "\n"
+
+
+def write_results(out: Path, records: list[dict], results_dir: str) -> None:
+    safe = [json_safe(r) for r in records]
+    atomic_write(out / "refresh.json", json.dumps(safe, indent=1) + "\n")
+    flat = [{k: v for k, v in r.items() if k not in ("domains", "points", "per_step", "refresh_steps",
+                                                                    "published_at")}
+            for r in safe]
+    atomic_write(out / "refresh.csv", records_csv(flat))
+    atomic_write(out / "refresh.md", table(records))
+    plot_refresh_study(out / "refresh.png", records)
+    if results_dir:
+        dst = Path(results_dir)
+        dst.mkdir(parents=True, exist_ok=True)
+        for name in RESULTS:
+            shutil.copyfile(out / name, dst / name)
+
+
+def run(cfg: RefreshStudyConfig, resolved: str) -> list[dict]:
+    out = Path(cfg.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    with RunLock(out):
+        write_resolved(resolved, out)
+        records = []
+        for name, overrides in cfg.schedules.items():               # ---- the driver loop ----
+            records.append(summarize_schedule(name, run_cell(cfg, name, list(overrides), out)))
+            write_results(out, records, cfg.results_dir)            # after every run: partial results are readable
+    print(table(records))
+    print(f"out_dir {out}: " + ", ".join(RESULTS))
+    return records
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of `mtp-rollout refresh-study`: YAML files and key=value overrides; without a YAML
+    file configs/refresh_study.yaml comes first."""
+    return preset_main(RefreshStudyConfig, DEFAULT_CONFIG, run, sys.argv[1:] if argv is None else argv,
+                       usage=__doc__)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
