@@ -247,10 +247,22 @@ class DistillOutput:
     rows: int                # trained (chain, step) rows
 
 
+def feature_regression(rows: list[StepRows]) -> torch.Tensor:
+    """EAGLE's feature loss: SmoothL1 from the head's state at (t, s) to the policy's state at t+s (the
+    state whose distribution the step drafts), mean over steps. Both are final-norm states, so the head's
+    output feeds its next step (and the LM head) in the policy's own coordinates."""
+    return torch.stack([F.smooth_l1_loss(r.student.float(), r.target.float()) for r in rows
+                        if r.student.shape[0] > 0]).mean()
+
+
 def distill_loss(heads: MTPHeads, policy: CausalLM, batch: DistillBatch, objective: str, vocab: DraftVocabMap,
-                 *, temperature: float = 1.0, steps: int | None = None) -> DistillOutput:
-    """The heads' loss on one batch: unroll `steps` draft steps (mtp_heads.ttt) and apply the objective."""
+                 *, temperature: float = 1.0, steps: int | None = None,
+                 feature_weight: float = 0.0) -> DistillOutput:
+    """The heads' loss on one batch: unroll `steps` draft steps (mtp_heads.ttt), apply the objective and
+    add `feature_weight` x the feature regression (0 = the objective alone)."""
     check_objective(objective)
+    if not feature_weight >= 0:
+        raise ValueError(f"feature_weight must be >= 0, got {feature_weight}")
     spec = OBJECTIVES[objective]
     steps = default_unroll_steps(heads.num_depths) if steps is None else steps
     outs = unroll(heads, policy, batch.hidden, batch.tokens, steps)
@@ -259,4 +271,7 @@ def distill_loss(heads: MTPHeads, policy: CausalLM, batch: DistillBatch, objecti
     if n == 0:
         raise ValueError("a training batch has no trained positions deep enough for the draft steps; "
                          "use longer sequences or fewer steps")
-    return DistillOutput(spec.fn(rows, vocab, temperature), n)
+    loss = spec.fn(rows, vocab, temperature)
+    if feature_weight > 0:
+        loss = loss + feature_weight * feature_regression(rows)
+    return DistillOutput(loss, n)

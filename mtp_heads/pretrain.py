@@ -41,12 +41,15 @@ class Phase:
     lr: float = 2e-3          # peak learning rate of this phase (times the warm-up/cosine shape)
     unroll_steps: int = 0     # draft steps trained in this phase (0 = train.unroll_steps): a cheap 1-step
                               # phase before the training-time-test phase costs a third per token
+    feature_weight: float = 0.0   # + this x SmoothL1(head state, policy state at the drafted position)
+                                  # (EAGLE's feature regression; mtp_heads.distill.feature_regression)
 
     def __post_init__(self) -> None:
         check_objective(self.objective)
-        if self.steps < 0 or not self.lr > 0 or self.unroll_steps < 0:
-            raise ValueError(f"a phase needs steps >= 0, lr > 0 and unroll_steps >= 0, got steps={self.steps}, "
-                             f"lr={self.lr}, unroll_steps={self.unroll_steps}")
+        if self.steps < 0 or not self.lr > 0 or self.unroll_steps < 0 or not self.feature_weight >= 0:
+            raise ValueError(f"a phase needs steps >= 0, lr > 0, unroll_steps >= 0 and feature_weight >= 0, got "
+                             f"steps={self.steps}, lr={self.lr}, unroll_steps={self.unroll_steps}, "
+                             f"feature_weight={self.feature_weight}")
 
 
 SHIPPED_INIT = "shipped"   # train.init: the shipped heads of the model (resolved by experiments.pretrain_heads)
@@ -196,7 +199,8 @@ def step_loss(heads: MTPHeads, policy: CausalLM, batch: DistillBatch, cfg: Train
     """The loss of one pre-training step: the current phase's objective through the distillation core."""
     phase = cfg.phase_at(step)
     return distill_loss(heads, policy, batch, phase.objective, vocab, temperature=cfg.temperature,
-                        steps=max(phase.unroll_steps or cfg.unroll_steps, cfg.num_depths))
+                        steps=max(phase.unroll_steps or cfg.unroll_steps, cfg.num_depths),
+                        feature_weight=phase.feature_weight)
 
 
 # ----------------------------------------------------------------------------------- checkpoints

@@ -196,3 +196,31 @@ def test_top_k_tv_objective_equals_a_direct_computation():
     assert float(loss) < float(0.5 * (p - q).abs().sum(-1).mean())   # the tail outside the union is left out
     loss.backward()
     assert student.grad is not None and float(student.grad.abs().sum()) > 0
+
+
+def test_feature_regression_adds_smooth_l1_to_the_next_policy_state(policy):
+    """feature_weight w adds w x mean over steps of SmoothL1(head state at (t, s), policy state at t+s) on the
+    trained rows, recomputed here from ttt.unroll; w = 0 is the objective alone; a negative w is refused."""
+    import torch.nn.functional as F
+
+    heads = _randomised(init_heads(policy, 1), seed=3)
+    g = torch.Generator().manual_seed(5)
+    T = 14
+    tokens = torch.randint(0, policy.config.vocab_size, (2, T), generator=g)
+    hidden = policy.hidden_states(tokens).float()
+    mask = torch.ones(2, T, dtype=torch.bool)
+    mask[:, -1] = False
+    mask[1, :4] = False
+    batch = DistillBatch(tokens, hidden, mask)
+    vm = DraftVocabMap.build(policy, None)
+    plain = distill_loss(heads, policy, batch, "tv", vm, steps=3).loss
+    mixed = distill_loss(heads, policy, batch, "tv", vm, steps=3, feature_weight=0.5).loss
+    outs = unroll(heads, policy, hidden, tokens, 3)
+    reg = []
+    for s, out in enumerate(outs, start=1):
+        m = batch.step_mask(s, out.shape[1])
+        reg.append(F.smooth_l1_loss(out[m], hidden[:, s:s + out.shape[1]][m]))
+    assert torch.allclose(mixed - plain, 0.5 * torch.stack(reg).mean(), atol=1e-6)
+    assert float(torch.stack(reg).mean()) > 0
+    with pytest.raises(ValueError, match="feature_weight"):
+        distill_loss(heads, policy, batch, "tv", vm, feature_weight=-1.0)

@@ -39,7 +39,8 @@ class CoTrainerConfig:
     """The head co-trainer: its objective, when it refreshes, its resources and checkpoints."""
 
     enabled: bool = True                # run the head co-trainer (false: heads stay as loaded)
-    loss: str = "tv"                    # head loss: `tv` (default), `tv_e2e`, `fkl`, `rkl`, `ce`
+    loss: str = "tv"                    # head loss: `tv` (default), `tv_e2e`, `tv_top64`, `fkl`, `rkl`, `ce`
+    feature_weight: float = 0.0         # + this x the feature regression (SmoothL1 to the policy state), as in pre-training
     lr: float = 1e-3                    # co-trainer AdamW learning rate
     steps_per_refresh: int = 20         # head training steps per refresh (at most: see refresh_budget_s)
     refresh_budget_s: float = 0.0       # wall-clock budget of one refresh (>= 1 step); 0 = no limit. Keeps the
@@ -72,6 +73,8 @@ class CoTrainerConfig:
             raise ValueError(f"cotrainer.max_restarts must be >= 0, got {self.max_restarts}")
         if not self.refresh_budget_s >= 0:
             raise ValueError(f"cotrainer.refresh_budget_s must be >= 0 (0 = no limit), got {self.refresh_budget_s}")
+        if not self.feature_weight >= 0:
+            raise ValueError(f"cotrainer.feature_weight must be >= 0, got {self.feature_weight}")
 
 
 @dataclass
@@ -183,7 +186,8 @@ class HeadCoTrainer:
         (the rows drafting computes) and the same draft steps as pre-training."""
         vocab = DraftVocabMap.for_heads(self.policy, self.heads)
         return distill_loss(self.heads, self.policy, batch, self.config.loss, vocab,
-                            temperature=self.config.temperature, steps=self.unroll_steps).loss
+                            temperature=self.config.temperature, steps=self.unroll_steps,
+                            feature_weight=self.config.feature_weight).loss
 
     def _sample_batch(self) -> DistillBatch:
         """Random replay sequences until batch_tokens is reached (at least one), with the current
