@@ -200,17 +200,22 @@ def _flat(r: dict) -> dict:
     return {k: v for k, v in r.items() if k not in ("domains", "points")}
 
 
+def copy_results(out: Path, names: tuple[str, ...], results_dir: str) -> None:
+    """Copy a study's result files from out to results_dir ("" = nowhere), e.g. experiments/results/<study>/."""
+    if results_dir:
+        dst = Path(results_dir)
+        dst.mkdir(parents=True, exist_ok=True)
+        for name in names:
+            shutil.copyfile(out / name, dst / name)
+
+
 def write_results(out: Path, records: list[dict], results_dir: str) -> None:
     safe = [json_safe(r) for r in records]
     atomic_write(out / "ablation.json", json.dumps(safe, indent=1) + "\n")
     atomic_write(out / "ablation.csv", records_csv([_flat(r) for r in safe]))
     atomic_write(out / "ablation.md", tables(records))
     plot_ablation(out / "ablation.png", records)
-    if results_dir:
-        dst = Path(results_dir)
-        dst.mkdir(parents=True, exist_ok=True)
-        for name in RESULTS:
-            shutil.copyfile(out / name, dst / name)
+    copy_results(out, RESULTS, results_dir)
 
 
 def run(cfg: AblationConfig, resolved: str) -> list[dict]:

@@ -17,12 +17,11 @@ from __future__ import annotations
 
 import json
 import math
-import shutil
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from experiments.entropy_ablation import preset, run_cell, summarize_run
+from experiments.entropy_ablation import copy_results, run_cell, summarize_run
 from rollout.config_loader import preset_main, write_resolved
 from rollout.fileio import atomic_write
 from rollout.monitor.monitor import AcceptanceMonitor
@@ -99,11 +98,7 @@ def write_results(out: Path, records: list[dict], results_dir: str) -> None:
     atomic_write(out / "refresh.csv", records_csv(flat))
     atomic_write(out / "refresh.md", table(records))
     plot_refresh_study(out / "refresh.png", records)
-    if results_dir:
-        dst = Path(results_dir)
-        dst.mkdir(parents=True, exist_ok=True)
-        for name in RESULTS:
-            shutil.copyfile(out / name, dst / name)
+    copy_results(out, RESULTS, results_dir)
 
 
 def run(cfg: RefreshStudyConfig, resolved: str) -> list[dict]:
