@@ -11,7 +11,9 @@ order rotated per repeat; reported: median tokens/s, the median of the per-repea
 acceptance (rate, tau, conditional per draft position). JSON with `json=PATH`, a dated
 experiments/LOG.md entry with `log=PATH`. Function API: `run(AgainstVLLMConfig) -> dict`.
 Threads: our engine calls torch.set_num_threads; vLLM's CPU worker pins that many OpenMP threads
-(VLLM_CPU_OMP_THREADS_BIND); the machine's load average is recorded before and after.
+(VLLM_CPU_OMP_THREADS_BIND) to cores 0..t-1 and our engine's process is pinned to the next t cores
+where the machine has them (`engine_cores`), so neither runs beside the other's idle threads; the
+machine's load average is recorded before and after.
 """
 from __future__ import annotations
 
@@ -76,11 +78,23 @@ class AgainstVLLMConfig:
 
 
 # --------------------------------------------------------------------------- child processes
+def engine_cores(kind: str, threads: int) -> list[int]:
+    """The cores an engine's process computes on: vLLM's pinned OpenMP threads take cores 0..t-1, ours
+    the next t cores when the machine has them (else the same ones). Session 5 measured ours at 0.74x of
+    vLLM in this bench but at parity run alone, with ours unpinned beside vLLM's processes."""
+    n = os.cpu_count() or 1
+    first = threads if not kind.startswith("vllm") and n >= 2 * threads else 0
+    return list(range(first, first + threads))
+
+
 def _child(conn, cfg: AgainstVLLMConfig, kind: str, dtype: str, threads: int, prompts: list[list[int]]) -> None:
     """One engine in its own process: answers ("gen", batch, k, seed, max_new) until ("stop",)."""
     try:
+        cores = engine_cores(kind, threads)
         if kind.startswith("vllm"):
-            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = f"0-{threads - 1}" if threads > 1 else "0"
+            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = f"{cores[0]}-{cores[-1]}" if len(cores) > 1 else str(cores[0])
+        elif hasattr(os, "sched_setaffinity"):
+            os.sched_setaffinity(0, cores)
         import torch
 
         torch.set_num_threads(threads)

@@ -328,3 +328,15 @@ def test_against_vllm_bench_config_names_bad_engines():
     assert cfg.engines == ["vllm-plain", "vllm-spec"] and cfg.k == 3
     with pytest.raises(ValueError, match="engines must be"):
         load_config(AgainstVLLMConfig, ["engines=[vllm-fast]"])
+
+
+def test_against_vllm_bench_gives_each_engine_its_own_cores(monkeypatch):
+    """vLLM's pinned OpenMP threads take cores 0..t-1 and our engine the next t where the machine has them,
+    so one engine never computes beside the other's idle threads; with too few cores they share."""
+    from experiments.bench_vllm import engine_cores
+
+    monkeypatch.setattr("os.cpu_count", lambda: 4)
+    assert engine_cores("vllm-plain", 2) == engine_cores("vllm-spec", 2) == [0, 1]
+    assert engine_cores("torch", 2) == [2, 3] and engine_cores("torch", 1) == [1]
+    monkeypatch.setattr("os.cpu_count", lambda: 2)
+    assert engine_cores("torch", 2) == [0, 1]
