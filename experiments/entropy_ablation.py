@@ -167,6 +167,24 @@ def summarize_run(run_dir: Path) -> dict:
             "points": [{"entropy": s.get("entropy_drafted"), "acceptance": s.get("acceptance_rate")} for s in steps]}
 
 
+def heads_heldout(heads_path: Path, mode: str) -> dict:
+    """The heads' held-out teacher-forced acceptance in this draft mode, from train-heads' final evaluation
+    (<heads>.run.json): {temperature: {"per_position": [a_1..a_k], "tau": tau}}; {} if there is none."""
+    run_json = heads_path.with_suffix(".run.json")
+    if not run_json.is_file():
+        return {}
+    held = (json.loads(run_json.read_text()).get("final") or {}).get("heldout") or {}
+    return {T: {"per_position": r[mode]["per_position"], "tau": r[mode]["tau"]} for T, r in held.items() if mode in r}
+
+
+def _heldout_cell(r: dict) -> str:
+    held = r.get("heads_heldout") or {}
+    if not held:
+        return "n/a"
+    T = min(held, key=lambda t: abs(float(t) - 1.0))           # the rollout temperature range's upper end
+    return " / ".join(f"{a:.3f}" for a in held[T]["per_position"]) + f" (tau {held[T]['tau']:.2f}, T={float(T):g})"
+
+
 def _ci(f: dict) -> str:
     if not math.isfinite(f["slope"]):
         return "n/a"
@@ -179,13 +197,14 @@ def _num(x, spec: str = ".3f") -> str:
 
 def tables(records: list[dict]) -> str:
     head = ("| draft mode | objective | steps | entropy first -> last | acceptance rate | acceptance length "
-            "| slope per step [95% CI] | slope per position [95% CI] | speedup vs plain | reward first -> last |")
-    lines = ["## Cells", "", head, "|" + "---|" * 10]
+            "| slope per step [95% CI] | slope per position [95% CI] | speedup vs plain | reward first -> last "
+            "| heads' held-out acceptance pos 1 / 2 / 3 (teacher-forced) |")
+    lines = ["## Cells", "", head, "|" + "---|" * 11]
     for r in records:
         lines.append(f"| {r['draft_mode']} | {r['objective']} | {r['steps']} | {_num(r['entropy_first'])} -> "
                      f"{_num(r['entropy_last'])} | {_num(r['acceptance_rate'])} | {_num(r['acceptance_length'], '.2f')} "
                      f"| {_ci(r['slope_step'])} | {_ci(r['slope_position'])} | {_num(r['speedup'], '.2f')}x "
-                     f"| {_num(r['reward_first'], '.2f')} -> {_num(r['reward_last'], '.2f')} |")
+                     f"| {_num(r['reward_first'], '.2f')} -> {_num(r['reward_last'], '.2f')} | {_heldout_cell(r)} |")
     lines += ["", "## Per task domain", "",
               "| draft mode | objective | domain | acceptance rate | acceptance length | slope per step [95% CI] "
               "| slope per position [95% CI] |", "|" + "---|" * 7]
@@ -197,7 +216,7 @@ def tables(records: list[dict]) -> str:
 
 
 def _flat(r: dict) -> dict:
-    return {k: v for k, v in r.items() if k not in ("domains", "points")}
+    return {k: v for k, v in r.items() if k not in ("domains", "points", "heads_heldout")}
 
 
 def copy_results(out: Path, names: tuple[str, ...], results_dir: str) -> None:
@@ -231,7 +250,8 @@ def run(cfg: AblationConfig, resolved: str) -> list[dict]:
                 rec = summarize_run(run_cell(cfg, f"{mode}-{objective}", cell_overrides(objective, mode, heads_path),
                                              out))
                 rec = {"draft_mode": mode, "objective": objective, "heads_path": str(heads_path), **rec,
-                       "speedup": rec["rollout_tok_s"] / plain["rollout_tok_s"] if plain else math.nan}
+                       "speedup": rec["rollout_tok_s"] / plain["rollout_tok_s"] if plain else math.nan,
+                       "heads_heldout": heads_heldout(heads_path, mode)}
                 records.append(rec)
                 write_results(out, records, cfg.results_dir)      # after every cell: a partial grid is readable
     print(tables(records))

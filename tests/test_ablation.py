@@ -36,6 +36,8 @@ def test_every_cell_is_filled(grid):
         assert 0 <= r["acceptance_rate"] <= 1 and r["acceptance_length"] >= 1
         assert math.isfinite(r["speedup"]) and r["speedup"] > 0
         assert r["domains"] and len(r["points"]) == 2
+        held = r["heads_heldout"]      # the heads' own held-out evaluation in this draft mode, per temperature
+        assert held and all(len(v["per_position"]) == 3 and v["tau"] >= 1 for v in held.values())
         assert set(r["slope_step"]) == set(r["slope_position"]) == {"slope", "intercept", "r2", "ci_low", "ci_high", "n"}
         run = out / "runs" / f"{r['draft_mode']}-{r['objective']}"
         cfg = (run / "config.yaml").read_text()
