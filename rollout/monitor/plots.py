@@ -219,6 +219,8 @@ def plot_refresh_study(path: Path, records: list[dict]) -> None:
         ax_ent.plot(steps, _column(r["per_step"], "entropy"), "o-", ms=3, color=color, label=r["schedule"])
     ax_acc.set(ylabel="acceptance rate (accepted / proposed)")
     ax_ent.set(ylabel="mean entropy at drafted positions (nats)", xlabel="RL step")
+    from matplotlib.ticker import MaxNLocator
+    ax_ent.xaxis.set_major_locator(MaxNLocator(integer=True))
     for ax in (ax_acc, ax_ent):
         ax.grid(alpha=0.3)
         if ax.get_legend_handles_labels()[0]:
