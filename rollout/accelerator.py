@@ -108,6 +108,7 @@ class RolloutAccelerator:
                                 on_event=self._record_event)
         self._cotrainer = self._new_cotrainer_client() if cfg.cotrainer.enabled else None
         self._step_completions: list[Completion] = []
+        self._step_k_choices: list = []           # adaptive k's per-round choices of this step (workers.adaptive_k)
         self._step_wall_s = 0.0
 
     def _new_cotrainer_client(self) -> CoTrainerClient:
@@ -180,13 +181,16 @@ class RolloutAccelerator:
         if not prompts:
             raise ValueError("prompts is empty: pass at least one prompt (a list of token ids)")
         t0 = time.perf_counter()
-        comps = [comp for part in self._pool.generate(prompts, sampling) for comp in part.completions]
+        parts = self._pool.generate(prompts, sampling)
+        comps = [comp for part in parts for comp in part.completions]
         if domains is not None:
             for comp, dom in zip(comps, domains):
                 comp.domain = dom
-        batch = RolloutBatch(comps, wall_time_s=time.perf_counter() - t0)
+        batch = RolloutBatch(comps, wall_time_s=time.perf_counter() - t0,
+                             k_choices=[c for part in parts for c in part.k_choices])
         with self._lock:
             self._step_completions.extend(comps)
+            self._step_k_choices.extend(batch.k_choices)
             self._step_wall_s += batch.wall_time_s
             if self._cotrainer is not None:   # fire and forget: never waits on the co-trainer
                 self._cotrainer.add_rollouts([(c.prompt, c.tokens) for c in comps])
@@ -199,12 +203,13 @@ class RolloutAccelerator:
         if self._cotrainer is not None:
             self._cotrainer.poll(step)
         with self._lock:
-            comps, wall = self._step_completions, self._step_wall_s
-            self._step_completions, self._step_wall_s = [], 0.0
+            comps, wall, k_choices = self._step_completions, self._step_wall_s, self._step_k_choices
+            self._step_completions, self._step_wall_s, self._step_k_choices = [], 0.0, []
         if not comps:
             logger.warning("end_step(%d): no generate() since the last end_step; nothing recorded", step)
             return {"step": step, "num_completions": 0}
-        rec = self.monitor.record_step(step, RolloutBatch(comps, wall_time_s=wall), extra=extra_metrics)
+        rec = self.monitor.record_step(step, RolloutBatch(comps, wall_time_s=wall, k_choices=k_choices),
+                                       extra=extra_metrics)
         if self._cotrainer is not None:
             self._cotrainer.observe(StepObservation(step, mean_entropy(comps), RolloutBatch(comps).spec_stats()
                                                     .acceptance_rate, max(c.head_version for c in comps)))

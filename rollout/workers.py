@@ -33,19 +33,23 @@ class Engine(Protocol):
     def update_heads(self, state_dict: dict[str, torch.Tensor], version: int) -> None: ...
 
 
-def _torch_engine(policy: "CausalLM", heads: "MTPHeads | None", policy_version: int, head_version: int) -> Engine:
+def _torch_engine(policy: "CausalLM", heads: "MTPHeads | None", policy_version: int, head_version: int,
+                  config: "WorkerConfig") -> Engine:
+    from rollout.engine.config import EngineConfig
     from rollout.torch_engine import TorchEngine
 
-    return TorchEngine(policy, heads, policy_version=policy_version, head_version=head_version)
+    return TorchEngine(policy, heads, policy_version=policy_version, head_version=head_version,
+                       config=EngineConfig(adaptive_k=config.adaptive_k))
 
 
-def _vllm_engine(policy: "CausalLM", heads: "MTPHeads | None", policy_version: int, head_version: int) -> Engine:
+def _vllm_engine(policy: "CausalLM", heads: "MTPHeads | None", policy_version: int, head_version: int,
+                 config: "WorkerConfig") -> Engine:
     # lazy: vllm is an optional extra and slow to import
     module = importlib.import_module("rollout.vllm")
     return module.VLLMEngine(policy, heads, policy_version=policy_version, head_version=head_version)
 
 
-# engine name -> factory(policy, heads, policy_version, head_version)
+# engine name -> factory(policy, heads, policy_version, head_version, worker config)
 ENGINES: dict[str, Callable[..., Engine]] = {"torch": _torch_engine, "vllm": _vllm_engine}
 
 
@@ -58,6 +62,9 @@ class WorkerConfig:
     num_gpus_per_worker: float = 0      # Ray GPUs per worker; > 0 puts the engine on CUDA
     engine: str = "torch"               # `torch` (reference) or `vllm` (a key of ENGINES)
     max_retries: int = 2                # retries of a prompt chunk whose worker died
+    adaptive_k: bool = False            # torch engine: sampling.num_draft_tokens becomes the maximum and each round
+                                        # drafts the k (0 included) with the most tokens per measured cost; the
+                                        # monitor logs the choices (draft_k). Off for studies: slopes want a fixed k
 
     def __post_init__(self) -> None:
         if self.num_workers < 1:
@@ -69,6 +76,9 @@ class WorkerConfig:
             raise ValueError(f"workers.max_retries must be >= 0, got {self.max_retries}")
         if self.engine not in ENGINES:
             raise ValueError(f"workers.engine {self.engine!r} unknown; choose from {sorted(ENGINES)}")
+        if self.adaptive_k and self.engine != "torch":
+            raise ValueError(f"workers.adaptive_k needs workers.engine=torch (vLLM drafts a fixed "
+                             f"num_speculative_tokens), got engine {self.engine!r}")
 
     @property
     def device(self) -> str:
@@ -95,7 +105,7 @@ class RolloutWorker:
         policy = policy_from_flat(policy_config, policy_weights, dtype, device)
         heads = None if head_weights is None else heads_from_flat(policy_config, num_depths, head_weights, dtype,
                                                                    device)
-        self.engine = ENGINES[config.engine](policy, heads, policy_version, head_version)
+        self.engine = ENGINES[config.engine](policy, heads, policy_version, head_version, config)
         self.engine_name = config.engine
         self.paused = False
         self.num_generate = 0

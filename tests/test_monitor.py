@@ -381,3 +381,23 @@ def test_flatten_record_and_empty_fit():
                            "alerts": [{"name": "acceptance_low"}, {"name": "slope_steep"}]})
     assert flat["cond_acceptance.1"] is None and "bins_step.entropy.0" not in flat
     assert flat["domains.math.slope_step_run.n"] == 2 and flat["alerts"] == "acceptance_low;slope_steep"
+
+
+def test_draft_k_is_recorded_only_when_adaptive_k_chose_per_round(tmp_path):
+    """A step drafted with adaptive k carries `draft_k` (rounds per k and per reason, mean k, the last choice);
+    a fixed-k step carries none; both flatten into CSV columns."""
+    from rollout.engine.adaptive import KChoice
+
+    choices = [KChoice(r, k, reason, 1.0 + k / 4, 1.0 + k, 1.2, 1.0, (0.4, 0.3, 0.2))
+               for r, (k, reason) in enumerate([(0, "best"), (3, "probe"), (0, "best"), (2, "best")])]
+    with AcceptanceMonitor(config(tmp_path)) as mon:
+        fixed = mon.record_step(0, RolloutBatch([fixed_completion(0.5, 1.0)], wall_time_s=1.0))
+        adaptive = mon.record_step(1, RolloutBatch([fixed_completion(0.5, 1.0)], wall_time_s=1.0, k_choices=choices))
+    assert "draft_k" not in fixed
+    d = adaptive["draft_k"]
+    assert d["rounds"] == 4 and d["mean_k"] == pytest.approx(1.25)
+    assert d["rounds_per_k"] == {"0": 2, "2": 1, "3": 1} and d["rounds_per_reason"] == {"best": 3, "probe": 1}
+    assert d["last"] == {"k": 2, "reason": "best", "tokens_per_cost": 1.2, "plain_tokens_per_cost": 1.0,
+                         "acceptance": [0.4, 0.3, 0.2]}
+    flat = flatten_record(adaptive)
+    assert flat["draft_k.mean_k"] == pytest.approx(1.25) and flat["draft_k.rounds_per_reason.probe"] == 1

@@ -109,7 +109,8 @@ def test_chunks_sample_with_distinct_seeds_and_a_retry_keeps_its_own():
 @pytest.mark.parametrize("make,match", [
     (lambda: WorkerConfig(num_workers=0), "num_workers"), (lambda: WorkerConfig(engine="tensorrt"), "engine"),
     (lambda: WorkerConfig(max_retries=-1), "max_retries"), (lambda: CoTrainerConfig(refresh=("sometimes",)), "refresh"),
-    (lambda: CoTrainerConfig(num_gpus=-1), "num_gpus"),
+    (lambda: CoTrainerConfig(num_gpus=-1), "num_gpus"), (lambda: CoTrainerConfig(feature_weight=-1.0), "feature_weight"),
+    (lambda: WorkerConfig(engine="vllm", adaptive_k=True), "adaptive_k"),
     (lambda: AcceleratorConfig(dtype="float8", monitor=MonitorConfig(out_dir="x")), "dtype"),
 ])
 def test_runtime_configs_reject_bad_values_when_built(make, match):
@@ -305,3 +306,28 @@ def test_worker_killed_mid_generate_batch_complete(local_ray, models, tmp_path):
         assert rec["num_completions"] == 32 and rec["acceptance_rate"] == pytest.approx(expected.acceptance_rate)
     finally:
         accel.shutdown()
+
+
+@pytest.mark.ray
+def test_adaptive_k_workers_stay_lossless_and_the_monitor_logs_each_rounds_choice(local_ray, models, tmp_path):
+    """workers.adaptive_k=true: the torch engine picks k per round; at T = 0 the tokens equal plain decoding,
+    and the step record's draft_k counts every round's choice and reason (the rounds of all completions)."""
+    policy, heads = models
+    cfg = make_cfg(tmp_path, WorkerConfig(num_workers=1, num_cpus_per_worker=1, adaptive_k=True), enabled=False)
+    accel = RolloutAccelerator.from_config(cfg, policy=policy, heads=heads)
+    try:
+        plain = accel.generate(PROMPTS, sp(0.0, k=0, n=16))
+        adaptive = accel.generate(PROMPTS, sp(0.0, k=3, n=16))
+        assert [c.tokens for c in adaptive.completions] == [c.tokens for c in plain.completions]
+        assert adaptive.k_choices and all(0 <= c.k <= 3 for c in adaptive.k_choices)
+        rec = accel.end_step(0)
+    finally:
+        accel.shutdown()
+    draft_k = rec["draft_k"]
+    assert draft_k["rounds"] == len(adaptive.k_choices) == sum(draft_k["rounds_per_k"].values())
+    assert sum(draft_k["rounds_per_reason"].values()) == draft_k["rounds"]
+    assert set(draft_k["rounds_per_reason"]) <= {"best", "probe", "time_plain"}
+    assert draft_k["mean_k"] == pytest.approx(sum(c.k for c in adaptive.k_choices) / draft_k["rounds"])
+    assert draft_k["last"]["k"] == adaptive.k_choices[-1].k and len(draft_k["last"]["acceptance"]) == 3
+    stored = [r for r in AcceptanceMonitor.load_records(cfg.monitor.out_dir) if "event" not in r][-1]
+    assert stored["draft_k"]["rounds_per_k"] == draft_k["rounds_per_k"]

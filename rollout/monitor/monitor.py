@@ -32,7 +32,7 @@ from rollout.monitor.positions import EntropyHistogram, binned_slope, per_positi
 from rollout.monitor.records import (fit_from_dict, flatten_record, json_safe, load_records, records_csv,
                                      repair_jsonl_tail)
 from rollout.monitor.slope import per_step_slope
-from rollout.monitor.step_stats import GroupHistory, batch_versions, by_domain, group_stats
+from rollout.monitor.step_stats import GroupHistory, batch_versions, by_domain, group_stats, k_choice_summary
 from rollout.types import Completion, RolloutBatch
 
 logger = logging.getLogger(__name__)
@@ -120,6 +120,9 @@ class AcceptanceMonitor:
             "domains": {d: self._update_group(self._domain(d), cs, step)
                         for d, cs in by_domain(comps).items()},
         }
+        draft_k = k_choice_summary(batch.k_choices)
+        if draft_k is not None:        # adaptive k (workers.adaptive_k): what each round drafted and why
+            rec["draft_k"] = draft_k
         rec["alerts"] = self._check_alerts(rec)
         rec["extra"] = dict(extra or {})
         rec = json_safe(rec)
