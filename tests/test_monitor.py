@@ -401,3 +401,21 @@ def test_draft_k_is_recorded_only_when_adaptive_k_chose_per_round(tmp_path):
                          "acceptance": [0.4, 0.3, 0.2]}
     flat = flatten_record(adaptive)
     assert flat["draft_k.mean_k"] == pytest.approx(1.25) and flat["draft_k.rounds_per_reason.probe"] == 1
+
+
+def test_position_points_follow_each_rounds_own_k_under_adaptive_k():
+    """Adaptive k drafts a different k per round (Completion.round_draft_tokens): a round of k = 1 whose draft
+    was accepted reached only its one position, which the fixed-k rule (min(accepted + 1, k)) would call
+    incomplete; counts and reached/accepted flags follow each round's own k."""
+    comp = Completion(prompt=[1], tokens=[7] * 9, logprobs=[0.0] * 9, entropies=[1.0] * 9,
+                      round_accepted=[1, 1, 0, 2], round_draft_tokens=[3, 1, 2, 2],
+                      draft_entropies=[[0.5, 0.6], [0.7], [0.8], [0.9, 1.0]], num_draft_tokens=3)
+    pts = position_points([comp])
+    assert pts.position.tolist() == [0, 1, 0, 0, 0, 1]
+    assert pts.reached.tolist() == [True, True, True, True, True, True]
+    assert pts.accepted.tolist() == [True, False, True, False, True, True]
+    stats = comp.spec_stats()
+    assert (stats.num_draft_tokens, stats.num_accepted_tokens) == (8, 4)
+    with pytest.raises(ValueError, match="round 1: 1 draft entropies for k=3"):
+        position_points([Completion(prompt=[1], tokens=[7] * 4, logprobs=[0.0] * 4, entropies=[1.0] * 4,
+                                    round_accepted=[0, 1], draft_entropies=[[0.5], [0.7]], num_draft_tokens=3)])

@@ -38,19 +38,22 @@ def _completion_points(c: Completion) -> PositionPoints | None:
     the engine recorded counts but no entropies (nothing to place on the x-axis)."""
     if not c.draft_entropies:
         return None
-    k = c.num_draft_tokens
     if len(c.draft_entropies) != len(c.round_accepted):
         raise ValueError(f"draft_entropies has {len(c.draft_entropies)} rounds, "
                          f"round_accepted has {len(c.round_accepted)}")
     acc = np.asarray(c.round_accepted, np.int64)                         # [R]
+    # drafts per round: num_draft_tokens, or each round's own k under adaptive k (0 = a plain round)
+    k = np.asarray(c.round_draft_tokens, np.int64) if c.round_draft_tokens else np.full(acc.size, c.num_draft_tokens)
+    if k.size != acc.size:
+        raise ValueError(f"round_draft_tokens has {k.size} rounds, round_accepted has {acc.size}")
     lens = np.fromiter(map(len, c.draft_entropies), np.int64, acc.size)  # [R]
     bad = np.flatnonzero((acc < 0) | (acc > k))
     if bad.size:
-        raise ValueError(f"round {bad[0]}: accepted {acc[bad[0]]} outside [0, k={k}]")
+        raise ValueError(f"round {bad[0]}: accepted {acc[bad[0]]} outside [0, k={k[bad[0]]}]")
     bad = np.flatnonzero((lens < np.minimum(acc + 1, k)) | (lens > k))
     if bad.size:
         r = bad[0]
-        raise ValueError(f"round {r}: {lens[r]} draft entropies for k={k} with {acc[r]} accepted "
+        raise ValueError(f"round {r}: {lens[r]} draft entropies for k={k[r]} with {acc[r]} accepted "
                          f"(need every reached position, at most k)")
     ent = np.fromiter(chain.from_iterable(c.draft_entropies), np.float64, int(lens.sum()))  # [M]
     pos = np.arange(ent.size) - np.repeat(np.cumsum(lens) - lens, lens)  # [M] j within its round
