@@ -149,9 +149,10 @@ def summarize_group(steps: list[dict]) -> dict:
             "slope_position": _fit(last.get("slope_position_cum"))}
 
 
-def summarize_run(run_dir: Path) -> dict:
-    """One cell's record: its monitor's steps and rl.jsonl's rollout times and rewards."""
-    records = AcceptanceMonitor.load_records(run_dir)
+def summarize_run(run_dir: Path, records: list[dict] | None = None) -> dict:
+    """One cell's record: its monitor's steps and rl.jsonl's rollout times and rewards (`records`: the run's
+    monitor records when the caller has read them already)."""
+    records = AcceptanceMonitor.load_records(run_dir) if records is None else records
     steps = [r for r in records if "event" not in r]
     rl = read_jsonl(run_dir / "rl.jsonl")
     tokens = sum(s.get("num_tokens", 0) for s in steps)
@@ -191,7 +192,7 @@ def _ci(f: dict) -> str:
     return f"{f['slope']:+.3f} [{f['ci_low']:+.3f}, {f['ci_high']:+.3f}]"
 
 
-def _num(x, spec: str = ".3f") -> str:
+def fmt_num(x, spec: str = ".3f") -> str:
     return format(x, spec) if isinstance(x, (int, float)) and math.isfinite(x) else "n/a"
 
 
@@ -201,17 +202,19 @@ def tables(records: list[dict]) -> str:
             "| heads' held-out acceptance pos 1 / 2 / 3 (teacher-forced) |")
     lines = ["## Cells", "", head, "|" + "---|" * 11]
     for r in records:
-        lines.append(f"| {r['draft_mode']} | {r['objective']} | {r['steps']} | {_num(r['entropy_first'])} -> "
-                     f"{_num(r['entropy_last'])} | {_num(r['acceptance_rate'])} | {_num(r['acceptance_length'], '.2f')} "
-                     f"| {_ci(r['slope_step'])} | {_ci(r['slope_position'])} | {_num(r['speedup'], '.2f')}x "
-                     f"| {_num(r['reward_first'], '.2f')} -> {_num(r['reward_last'], '.2f')} | {_heldout_cell(r)} |")
+        lines.append(f"| {r['draft_mode']} | {r['objective']} | {r['steps']} | {fmt_num(r['entropy_first'])} -> "
+                     f"{fmt_num(r['entropy_last'])} | {fmt_num(r['acceptance_rate'])} | "
+                     f"{fmt_num(r['acceptance_length'], '.2f')} | {_ci(r['slope_step'])} | {_ci(r['slope_position'])} "
+                     f"| {fmt_num(r['speedup'], '.2f')}x | {fmt_num(r['reward_first'], '.2f')} -> "
+                     f"{fmt_num(r['reward_last'], '.2f')} | {_heldout_cell(r)} |")
     lines += ["", "## Per task domain", "",
               "| draft mode | objective | domain | acceptance rate | acceptance length | slope per step [95% CI] "
               "| slope per position [95% CI] |", "|" + "---|" * 7]
     for r in records:
         for d, g in r["domains"].items():
-            lines.append(f"| {r['draft_mode']} | {r['objective']} | {d} | {_num(g['acceptance_rate'])} | "
-                         f"{_num(g['acceptance_length'], '.2f')} | {_ci(g['slope_step'])} | {_ci(g['slope_position'])} |")
+            lines.append(f"| {r['draft_mode']} | {r['objective']} | {d} | {fmt_num(g['acceptance_rate'])} | "
+                         f"{fmt_num(g['acceptance_length'], '.2f')} | {_ci(g['slope_step'])} | "
+                         f"{_ci(g['slope_position'])} |")
     return "\n".join(lines) + "\n"
 
 

@@ -21,7 +21,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from experiments.entropy_ablation import copy_results, run_cell, summarize_run
+from experiments.entropy_ablation import copy_results, fmt_num, run_cell, summarize_run
 from rollout.config_loader import preset_main, write_resolved
 from rollout.fileio import atomic_write
 from rollout.monitor.monitor import AcceptanceMonitor
@@ -62,17 +62,14 @@ def summarize_schedule(name: str, run_dir: Path) -> dict:
     refreshes = [r for r in records if r.get("event") == "head_refresh"]
     steps = [r for r in records if "event" not in r]
     detail = [r.get("detail", {}) for r in refreshes]
-    return {"schedule": name, **summarize_run(run_dir),
-            "refresh_steps": [int(d.get("refresh_step", r["step"])) for d, r in zip(detail, refreshes)],  # decided after
-            "published_at": [r["step"] for r in refreshes],          # the driver's step when the heads reached workers
+    return {"schedule": name, **summarize_run(run_dir, records),
+            # the step whose rollouts triggered each refresh, and the driver's step when its heads reached workers
+            "refresh_steps": [int(d.get("refresh_step", r["step"])) for d, r in zip(detail, refreshes)],
+            "published_at": [r["step"] for r in refreshes],
             "cotrainer_train_s": sum(float(d.get("train_time_s") or 0.0) for d in detail),
             "per_step": [{"step": s["step"], "acceptance_rate": s.get("acceptance_rate"),
                           "acceptance_length": s.get("acceptance_length"), "entropy": s.get("entropy_drafted"),
                           "head_version": s.get("head_version_max")} for s in steps]}
-
-
-def _num(x, spec: str = ".3f") -> str:
-    return format(x, spec) if isinstance(x, (int, float)) and math.isfinite(x) else "n/a"
 
 
 def table(records: list[dict]) -> str:
@@ -83,9 +80,10 @@ def table(records: list[dict]) -> str:
         acc = [s["acceptance_rate"] for s in r["per_step"]]
         at = ", ".join(str(s) for s in r["refresh_steps"]) or "-"
         lines.append(f"| {r['schedule']} | {r['steps']} | {len(r['refresh_steps'])} ({at}) | "
-                     f"{_num(r['cotrainer_train_s'], '.1f')} | {_num(r['acceptance_rate'])} | "
-                     f"{_num(r['acceptance_length'], '.2f')} | {_num(acc[0] if acc else math.nan)} -> "
-                     f"{_num(acc[-1] if acc else math.nan)} | {_num(r['entropy_first'])} -> {_num(r['entropy_last'])} |")
+                     f"{fmt_num(r['cotrainer_train_s'], '.1f')} | {fmt_num(r['acceptance_rate'])} | "
+                     f"{fmt_num(r['acceptance_length'], '.2f')} | {fmt_num(acc[0] if acc else math.nan)} -> "
+                     f"{fmt_num(acc[-1] if acc else math.nan)} | {fmt_num(r['entropy_first'])} -> "
+                     f"{fmt_num(r['entropy_last'])} |")
     return "\n".join(lines) + "\n"
 
 

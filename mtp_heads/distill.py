@@ -17,8 +17,8 @@ Head pre-training (mtp_heads.pretrain) and the co-trainer (trainers.cotrainer) b
            true TV(p, q). Drafting computes exactly these |S| rows (MTPHeads.draft_logits).
 * losses   `OBJECTIVES`: one entry per kind of mtp_heads.losses.draft_loss; "tv" and "tv_e2e" go
            through the fused kernels (no [N, V] tensors); "tv_top64" is "tv" restricted to the union of
-           p's and q's 64 most likely tokens (Bebop's top-K TV, an ablation row). Every objective is the mean over steps
-           of the mean over that step's rows; "tv_e2e" is (k - E[accepted of k]) / k, in [0, 1].
+           p's and q's 64 most likely tokens (Bebop's top-K TV, an ablation row). Every objective is the
+           mean over steps of the mean over that step's rows; "tv_e2e" is (k - E[accepted of k]) / k, in [0, 1].
 """
 from __future__ import annotations
 

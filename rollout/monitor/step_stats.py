@@ -6,6 +6,7 @@ over steps and the windowed acceptance, plus its cumulative per-position histogr
 """
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -102,11 +103,8 @@ def k_choice_summary(choices: Sequence) -> dict | None:
     estimate it used)."""
     if not choices:
         return None
-    per_k: dict[str, int] = {}
-    per_reason: dict[str, int] = {}
-    for c in choices:
-        per_k[str(c.k)] = per_k.get(str(c.k), 0) + 1
-        per_reason[c.reason] = per_reason.get(c.reason, 0) + 1
+    per_k = Counter(str(c.k) for c in choices)
+    per_reason = Counter(c.reason for c in choices)
     last = choices[-1]
     return {"rounds": len(choices), "mean_k": sum(c.k for c in choices) / len(choices),
             "rounds_per_k": dict(sorted(per_k.items())), "rounds_per_reason": dict(sorted(per_reason.items())),
