@@ -152,7 +152,8 @@ class TorchEngine:
         D = self.heads.num_depths if (self.heads is not None and k > 0) else 0
         head_width = max(k + 1, D)
         P = max(len(p) for p in prompts)
-        need = P + sp.max_new_tokens + 2 * max(bucket(k + 1, ecfg.verify_widths), head_width) + D + 4
+        slack = 2 * max(bucket(k + 1, ecfg.verify_widths), head_width) + D + 4
+        need = P + sp.max_new_tokens + slack
         L = -(-need // ecfg.length_bucket) * ecfg.length_bucket
         d = self.policy.config.hidden_size
         dtype = self.policy.model.embed_tokens.weight.dtype
@@ -169,14 +170,15 @@ class TorchEngine:
         stop = set(sp.stop_token_ids) | (set() if sp.ignore_eos else set(self.policy.config.eos_token_ids))
         ctx = RoundContext(self.policy, self.heads if k > 0 else None, self.forwards, sp, gen,
                            torch.tensor(sorted(stop) or [-2], dtype=torch.long, device=dev),
-                           ecfg.verify_widths, head_width, self.times)
+                           ecfg.verify_widths, head_width, self.times, slack)
         cache = self._target_cache(B, L)
+        cache.read_len = L                  # a reused cache keeps its last call's window; rounds narrow it
         hidden = torch.zeros(B, L, d, dtype=dtype, device=dev)
         hidden[:, :P] = self.policy.hidden_states(seq[:, :P], cache, torch.zeros(B, dtype=torch.long, device=dev))
         st = DecodeState(seq=seq, committed=lengths.clone(), prompt_len=lengths, hidden=hidden,
                          logprob=torch.zeros(B, L, device=dev), token_entropy=torch.zeros(B, L, device=dev),
                          finished=row_ids < 0, stopped=torch.zeros(B, dtype=torch.bool, device=dev),
-                         row_ids=row_ids, target=cache)
+                         row_ids=row_ids, target=cache, longest=P + 1)  # + the token sampled below
         rows = torch.arange(B, device=dev)
         last_logits = self.policy.compute_logits(hidden[rows, lengths - 1])              # [B, V]
         probs = process_logits(last_logits, sp.temperature, sp.top_k, sp.top_p)

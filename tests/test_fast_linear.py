@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from rollout.models import fast_linear
-from rollout.models.fast_linear import Linear, linear
+from rollout.models.fast_linear import Linear, linear, linear_concat
 
 
 def test_the_packed_path_is_on_by_default():
@@ -29,6 +29,23 @@ def test_packed_equals_f_linear_bitwise(shape):
         assert linear(x, w).shape == (*shape[:-1], 96)
 
 
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_linear_concat_equals_the_separate_products_bitwise(with_bias):
+    """One packed product of q/k/v-like weights stacked = the cat of three products, and it follows an
+    in-place update of any one of them."""
+    ws = [_weights(n, seed=i) for i, n in enumerate((96, 32, 32))]
+    bs = [torch.randn(w.shape[0]).to(torch.bfloat16) if with_bias else None for w in ws]
+    x = torch.randn(2, 3, 40).to(torch.bfloat16)
+    with torch.inference_mode():
+        y = linear_concat(x, ws, bs)
+        assert y.shape == (2, 3, 160)
+        assert torch.equal(y, torch.cat([F.linear(x, w, b) for w, b in zip(ws, bs)], -1))
+    with torch.no_grad():
+        ws[1].mul_(-1)
+    with torch.inference_mode():
+        assert torch.equal(linear_concat(x, ws, bs), torch.cat([F.linear(x, w, b) for w, b in zip(ws, bs)], -1))
+
+
 def test_an_in_place_update_is_seen_and_a_freed_weight_frees_its_copy():
     w = torch.nn.Parameter(_weights(), requires_grad=False)
     x = torch.randn(2, 40).to(torch.bfloat16)
@@ -40,8 +57,8 @@ def test_an_in_place_update_is_seen_and_a_freed_weight_frees_its_copy():
         assert torch.equal(linear(x, w), F.linear(x, w))
         assert not torch.equal(linear(x, w), before)
     if fast_linear._packing_supported():
-        assert id(w) in fast_linear._PACKED
-        key = id(w)
+        key = (id(w),)
+        assert key in fast_linear._PACKED
         del w
         gc.collect()
         assert key not in fast_linear._PACKED

@@ -44,6 +44,36 @@ def test_temperature_zero_speculative_equals_plain(tiny_policy, tiny_heads, k, m
     assert any(len(set(r)) > 1 for r in rounds)
 
 
+def test_rounds_that_accept_every_draft_read_every_key_they_need(tiny_policy, tiny_heads, monkeypatch):
+    """The caches' read window (round.set_read_window) is tightest when rows grow by k+1 every round:
+    with an oracle drafter (the policy's own greedy continuation, so every draft is accepted) the
+    speculative tokens, log-probs and hidden states must still equal plain decoding's."""
+    def oracle_draft(ctx, st, k):
+        c = st.committed
+        drafts = torch.zeros(st.batch, k, dtype=torch.long)
+        for b in range(st.batch):
+            seq = st.seq[b:b + 1, :int(c[b])]
+            for j in range(k):
+                drafts[b, j] = ctx.policy(seq)[0, -1].argmax()
+                seq = torch.cat([seq, drafts[b:b + 1, j:j + 1]], 1)
+        st.seq[torch.arange(st.batch)[:, None], c[:, None] + torch.arange(k)] = drafts
+        q = torch.nn.functional.one_hot(drafts, tiny_policy.config.vocab_size).float()
+        return drafts, q, torch.zeros(st.batch, dtype=torch.bool)
+
+    engine = TorchEngine(tiny_policy, tiny_heads)
+    sp = SamplingParams(max_new_tokens=17, temperature=0, ignore_eos=True, return_hidden_states=True)
+    plain = engine.generate(PROMPTS, sp)
+    monkeypatch.setattr(round_module, "draft", oracle_draft)
+    monkeypatch.setattr(round_module, "READ_WINDOW_STEP", 1)           # no rounding up: the window itself
+    spec = engine.generate(PROMPTS, replace(sp, num_draft_tokens=3))
+    for a, b in zip(plain.completions, spec.completions):
+        assert b.tokens == a.tokens
+        assert all(n == 3 for n in b.round_accepted[:-1])           # every full round accepted all 3
+        torch.testing.assert_close(torch.tensor(b.logprobs), torch.tensor(a.logprobs), atol=1e-5, rtol=0)
+        torch.testing.assert_close(torch.from_numpy(b.hidden_states), torch.from_numpy(a.hidden_states),
+                                   atol=1e-5, rtol=0)
+
+
 def test_stop_tokens_and_max_new_tokens(tiny_policy, tiny_heads):
     engine = TorchEngine(tiny_policy, tiny_heads)
     plain = engine.generate(PROMPTS, SamplingParams(max_new_tokens=30, temperature=0, ignore_eos=True))

@@ -57,6 +57,10 @@ class Forwards:
         positions = start[:, None] + torch.arange(tokens.shape[1], device=tokens.device)
         cos, sin = model.rotary(positions)
         x = model.embed_tokens(tokens)
+        if not self.compiled:   # the cache itself: its layers share one attention plan and its read window
+            for i, layer in enumerate(model.layers):
+                x = layer(x, (cos, sin), positions, cache, i)
+            return model.norm(x)
         key = ("layer", tuple(tokens.shape), cache.max_len)
         for i, layer in enumerate(model.layers):
             x = self._call(key, self._layer, layer, x, cos, sin, positions, cache.k[i], cache.v[i])
@@ -92,6 +96,7 @@ class Forwards:
 def _cache_of(k: list[torch.Tensor], v: list[torch.Tensor]) -> KVCache:
     cache = KVCache.__new__(KVCache)
     cache.k, cache.v, cache.max_len = list(k), list(v), k[0].shape[1]
+    cache.read_len = cache.max_len        # compiled graphs read the whole buffer: one shape per cache
     return cache
 
 

@@ -59,6 +59,9 @@ class RoundContext:
     verify_widths: tuple[int, ...]
     head_width: int                   # positions per head-cache update chunk: max(k_max + 1, D)
     times: PhaseTimes
+    # positions a round may touch beyond the longest row's c (verification, head chunks, scratch):
+    # the caches were allocated as longest prompt + max_new_tokens + this
+    slack: int = 0
 
 
 @dataclass
@@ -71,9 +74,22 @@ class RoundResult:
     draft_entropy: torch.Tensor       # [B, k] H(p) at each draft position
 
 
+READ_WINDOW_STEP = 32   # the caches' read window grows in steps of this many positions
+
+
+def set_read_window(ctx: RoundContext, st: DecodeState) -> None:
+    """Attention of the coming round reads cache positions < longest + slack only (rounded up), the
+    most any valid query can see: at batch 8 a step with ~100 tokens of context no longer pays for
+    the whole buffer (~2.5x as long)."""
+    window = min(st.max_len, -(-(st.longest + ctx.slack) // READ_WINDOW_STEP) * READ_WINDOW_STEP)
+    for cache in (st.target, *st.heads):
+        cache.read_len = window
+
+
 def run_round(ctx: RoundContext, st: DecodeState, k: int) -> RoundResult:
     sp, dev = ctx.sampling, st.seq.device
     B = st.batch
+    set_read_window(ctx, st)
     rows = torch.arange(B, device=dev)
     active, c = ~st.finished, st.committed
     with ctx.times.phase("draft", dev):
@@ -106,6 +122,7 @@ def run_round(ctx: RoundContext, st: DecodeState, k: int) -> RoundResult:
     ctx.times.rounds += 1
     for j in range(len(st.head_lag)):  # every row advanced by at most k+1 positions
         st.head_lag[j] += k + 1
+    st.longest = min(st.longest + k + 1, st.max_len)
     return RoundResult(k, st.row_ids, active, num_accepted, num_drafts, ent[:, :k])
 
 

@@ -35,6 +35,8 @@ class DecodeState:
     head_hidden: list[torch.Tensor] = field(default_factory=list)  # [B, L, d] per depth
     # host-side bound on how many positions each depth's cache lags behind (see round.update_heads)
     head_lag: list[int] = field(default_factory=list)
+    # host-side bound on max(c): the caches' read window follows it (round.set_read_window)
+    longest: int = 0
 
     @property
     def batch(self) -> int:
@@ -57,7 +59,8 @@ def gather_rows(state: DecodeState, idx: torch.Tensor, target: KVCache, heads: l
             dst.copy_(src[idx])
     rows = {f.name: getattr(state, f.name)[idx] for f in fields(state) if f.name in _ROW_TENSORS}
     return DecodeState(**rows, target=target, heads=heads, head_len=[h[idx] for h in state.head_len],
-                       head_hidden=[h[idx] for h in state.head_hidden], head_lag=list(state.head_lag))
+                       head_hidden=[h[idx] for h in state.head_hidden], head_lag=list(state.head_lag),
+                       longest=state.longest)
 
 
 class Results:

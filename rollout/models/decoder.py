@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from rollout.models.config import ModelConfig
-from rollout.models.fast_linear import Linear, linear
+from rollout.models.fast_linear import Linear, linear, linear_concat
 
 
 class RMSNorm(nn.Module):
@@ -28,9 +28,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (x32 * self.weight.float()).to(x.dtype)
+        # x [..., d]; accumulates in float32 for bf16 inputs, like HF's Llama norm (one fused op on
+        # CPU: the same result as the seven-op textbook form, 12 vs 17-24 us at decode shapes)
+        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
@@ -70,7 +70,7 @@ class Rotary(nn.Module):
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # x [B, H, T, hd]
+    # x [B, H, T, hd] (any strides); cos, sin [B, 1, T, hd] -> [B, H, T, hd], computed in float32
     half = x.shape[-1] // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
     return (x.float() * cos + rotated.float() * sin).to(x.dtype)
@@ -85,16 +85,36 @@ class KVCache:
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.max_len = max_len
+        # attention reads positions < read_len only: the engine narrows it to what its rows can have
+        # reached (rollout.engine.round), so that a step costs the context it has, not the whole buffer
+        self.read_len = max_len
 
-    def write(self, layer: int, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        # positions [B, T]; k, v [B, T, H_kv, hd]
-        rows = torch.arange(positions.shape[0], device=positions.device)[:, None]
-        self.k[layer][rows, positions] = k
-        self.v[layer][rows, positions] = v
+    def plan(self, positions: torch.Tensor, groups: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """What every layer of one forward shares, made once: for new tokens at positions [B, T], the
+        attention mask [B, 1, groups*T, max_len] (query row g*T + t sees keys <= positions[b, t]) and
+        the rows [B*T] they are written to in the flattened [B*max_len, H_kv, hd] buffers.
+
+        Kept until a forward passes another positions tensor (all layers of a forward pass the same
+        one, and none changes it in place): per layer, these few small ops were ~10% of a decode step."""
+        memo = getattr(self, "_plan", None)
+        if memo is not None and memo[0] is positions and memo[1:3] == (groups, self.read_len):
+            return memo[3], memo[4]
+        B, dev = positions.shape[0], positions.device
+        mask = torch.arange(self.read_len, device=dev) <= positions[:, None, :, None]    # [B, 1, T, read_len]
+        if groups > 1:
+            mask = mask.repeat(1, 1, groups, 1)
+        rows = (positions + self.max_len * torch.arange(B, device=dev)[:, None]).flatten()   # [B*T]
+        self._plan = (positions, groups, self.read_len, mask, rows)
+        return mask, rows
+
+    def write(self, layer: int, rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        # rows [B*T] from plan(); k, v [B, T, H_kv, hd]
+        for buffer, new in ((self.k[layer], k), (self.v[layer], v)):
+            buffer.view(-1, *buffer.shape[2:]).index_copy_(0, rows, new.reshape(-1, *new.shape[2:]))
 
     def read(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        # -> [B, max_len, H_kv, hd]: the whole buffer; entries past a row's position are masked
-        return self.k[layer], self.v[layer]
+        # -> [B, read_len, H_kv, hd] views; entries past a row's position are masked
+        return self.k[layer][:, :self.read_len], self.v[layer][:, :self.read_len]
 
     def tensors(self) -> list[torch.Tensor]:
         return self.k + self.v
@@ -119,37 +139,39 @@ class Attention(nn.Module):
         """The rotated queries and keys and the values of x; shared with training-time test (mtp_heads.ttt)."""
         # x [B, T, d] -> q [B, H, T, hd], k [B, H_kv, T, hd] (both rotated), v [B, H_kv, T, hd]
         B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.n_heads, self.hd)
-        k = self.k_proj(x).view(B, T, self.n_kv, self.hd)
-        v = self.v_proj(x).view(B, T, self.n_kv, self.hd)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
+        H, H_kv = self.n_heads, self.n_kv
+        projections = (self.q_proj, self.k_proj, self.v_proj)
+        qkv = linear_concat(x, [p.weight for p in projections], [p.bias for p in projections])
+        qkv = qkv.view(B, T, H + 2 * H_kv, self.hd).transpose(1, 2)                 # [B, H + 2 H_kv, T, hd]
         cos, sin = rope
-        return apply_rope(q.transpose(1, 2), cos, sin), apply_rope(k.transpose(1, 2), cos, sin), v.transpose(1, 2)
+        if self.q_norm is None:   # q and k rotated in one pass
+            qk = apply_rope(qkv[:, :H + H_kv], cos, sin)
+            q, k = qk[:, :H], qk[:, H:]
+        else:
+            q = apply_rope(self.q_norm(qkv[:, :H]), cos, sin)
+            k = apply_rope(self.k_norm(qkv[:, H:H + H_kv]), cos, sin)
+        return q, k, qkv[:, H + H_kv:]
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], positions: torch.Tensor,
                 cache: KVCache | None, layer: int) -> torch.Tensor:
         # x [B, T, d]; positions [B, T] absolute positions of the T new tokens
         B, T, _ = x.shape
         q, k, v = self.project_qkv(x, rope)                              # q [B, H, T, hd]
-        k, v = k.transpose(1, 2), v.transpose(1, 2)                      # [B, T, H_kv, hd]
+        groups = self.n_heads // self.n_kv
         if cache is None:
-            keys, values = k, v
-            key_pos = positions
+            keys, values = k, v                                          # [B, H_kv, T, hd]
+            mask = positions[:, None, None, :] <= positions[:, None, :, None]
+            mask = mask.repeat(1, 1, groups, 1) if groups > 1 else mask
         else:
-            cache.write(layer, positions, k, v)
-            keys, values = cache.read(layer)
-            key_pos = torch.arange(cache.max_len, device=x.device).expand(B, cache.max_len)
+            mask, rows = cache.plan(positions, groups)
+            cache.write(layer, rows, k.transpose(1, 2), v.transpose(1, 2))
+            keys, values = (t.transpose(1, 2) for t in cache.read(layer))   # [B, H_kv, L, hd], views
         # GQA without copying K/V: the `groups` query heads that share a K/V head are folded into the
         # query length ([B, H, T, hd] -> [B, H_kv, groups*T, hd], row g*T + t), so SDPA reads the cache
         # as it is. Repeating K/V by hand copied the whole cache per layer and step (B=8: 7.7 ms vs
         # 0.46 ms per layer in bf16; enable_gqa was slower still on CPU; experiments/LOG.md session 5).
-        groups = self.n_heads // self.n_kv
-        mask = key_pos[:, None, None, :] <= positions[:, None, :, None]  # [B, 1, T, L]
-        if groups > 1:
-            mask = mask.repeat(1, 1, groups, 1)                           # [B, 1, groups*T, L]
-        out = F.scaled_dot_product_attention(q.reshape(B, self.n_kv, groups * T, self.hd), keys.transpose(1, 2),
-                                             values.transpose(1, 2), attn_mask=mask)
+        out = F.scaled_dot_product_attention(q.reshape(B, self.n_kv, groups * T, self.hd), keys, values,
+                                             attn_mask=mask)
         out = out.view(B, self.n_heads, T, self.hd)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, self.n_heads * self.hd))
 
@@ -162,7 +184,9 @@ class MLP(nn.Module):
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        # x [..., d] -> [..., d]; gate and up in one product where the weights are packed
+        gate, up = linear_concat(x, [self.gate_proj.weight, self.up_proj.weight], [None, None]).chunk(2, -1)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
