@@ -26,7 +26,7 @@ from rollout.engine.round import (PhaseTimes, RoundContext, RoundResult, commit,
 from rollout.engine.state import DecodeState, Results, gather_rows
 from rollout.models.decoder import CausalLM, KVCache
 from rollout.types import RolloutBatch, SamplingParams, validate_request
-from rollout.verify import entropy, process_logits, sample
+from rollout.verify import process_logits_with_entropy, sample
 
 __all__ = ["TorchEngine", "EngineConfig"]
 
@@ -181,9 +181,9 @@ class TorchEngine:
                          row_ids=row_ids, target=cache, longest=P + 1)  # + the token sampled below
         rows = torch.arange(B, device=dev)
         last_logits = self.policy.compute_logits(hidden[rows, lengths - 1])              # [B, V]
-        probs = process_logits(last_logits, sp.temperature, sp.top_k, sp.top_p)
+        probs, ent = process_logits_with_entropy(last_logits, sp.temperature, sp.top_k, sp.top_p)
         commit(ctx, st, sample(probs, gen)[:, None], torch.zeros(B, dtype=torch.long, device=dev),
-               last_logits[:, None], entropy(probs)[:, None])
+               last_logits[:, None], ent[:, None])
         if k > 0:
             st.heads = self._head_caches(B, L)
             st.head_len = [torch.zeros(B, dtype=torch.long, device=dev) for _ in st.heads]

@@ -3,7 +3,8 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from rollout.verify import PLACEHOLDER, process_logits, rejection_sample, sample
+from rollout.verify import (PLACEHOLDER, entropy, process_logits, process_logits_with_entropy, rejection_sample,
+                            sample)
 from tests.lossless import lossy_rejection_sample
 
 
@@ -114,6 +115,19 @@ def test_process_logits_top_k_top_p_temperature():
 def _expected(p, counts):
     p = p.double()
     return (p / p.sum() * counts.sum()).numpy()
+
+
+@pytest.mark.parametrize("temperature, top_k, top_p", [(1.0, 0, 1.0), (0.7, 0, 1.0), (1.3, 5, 1.0),
+                                                       (1.0, 0, 0.8), (0.0, 0, 1.0)])
+def test_entropy_from_logits_equals_the_elementwise_definition(temperature, top_k, top_p):
+    """The engine's entropy (log Z - E_p[z], log Z from the most likely token) is H(processed p)."""
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, 2, 500, generator=gen) * torch.tensor([0.1, 3.0, 30.0])[:, None, None]
+    probs, ent = process_logits_with_entropy(logits, temperature, top_k, top_p)
+    ref = process_logits(logits, temperature, top_k, top_p)
+    assert torch.equal(probs, ref)
+    torch.testing.assert_close(ent, entropy(ref), atol=2e-5, rtol=1e-5)
+    assert torch.isfinite(ent).all()
 
 
 def test_exponential_race_sampler_matches_the_distribution():

@@ -19,7 +19,7 @@ from rollout.engine.forwards import Forwards
 from rollout.engine.state import DecodeState
 from rollout.models.decoder import CausalLM
 from rollout.types import SamplingParams
-from rollout.verify import entropy, process_logits, rejection_sample, sample
+from rollout.verify import process_logits, process_logits_with_entropy, rejection_sample, sample
 
 PHASES = ("draft", "verify", "accept", "commit")
 
@@ -107,18 +107,19 @@ def run_round(ctx: RoundContext, st: DecodeState, k: int) -> RoundResult:
         positions = (c - 1)[:, None] + torch.arange(k + 1, device=dev)
         st.hidden[rows[:, None], positions] = hidden
         logits = ctx.policy.compute_logits(hidden)                                        # [B, k+1, V]
-        target_probs = process_logits(logits, sp.temperature, sp.top_k, sp.top_p)
+        target_probs, ent = process_logits_with_entropy(logits, sp.temperature, sp.top_k, sp.top_p)
     with ctx.times.phase("accept", dev):
         num_drafts = torch.full((B,), k, dtype=torch.long, device=dev)
-        if nonfinite is not None:
-            num_drafts = torch.where(nonfinite, 0, num_drafts)
-        if sp.draft_mode == "greedy":
-            draft_probs = None
-        output, num_accepted = rejection_sample(drafts, draft_probs, target_probs, ctx.generator,
-                                                num_drafts if k > 0 else None)
+        if k == 0:   # a plain step: nothing to verify, the token is a draw from p
+            num_accepted = torch.zeros(B, dtype=torch.long, device=dev)
+            output = sample(target_probs[:, 0], ctx.generator)[:, None]
+        else:
+            if nonfinite is not None:
+                num_drafts = torch.where(nonfinite, 0, num_drafts)
+            output, num_accepted = rejection_sample(drafts, None if sp.draft_mode == "greedy" else draft_probs,
+                                                    target_probs, ctx.generator, num_drafts)
     with ctx.times.phase("commit", dev):
-        ent = entropy(target_probs)                                                       # [B, k+1], once
-        commit(ctx, st, output, num_accepted, logits, ent)
+        commit(ctx, st, output, num_accepted, logits, ent)                                # ent [B, k+1]
     ctx.times.rounds += 1
     for j in range(len(st.head_lag)):  # every row advanced by at most k+1 positions
         st.head_lag[j] += k + 1
