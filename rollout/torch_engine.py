@@ -16,12 +16,12 @@ from collections.abc import Callable
 import torch
 
 from mtp_heads.heads import MTPHeads
-from rollout.engine.adaptive import AdaptiveK, CostModel, KChoice
+from rollout.engine.adaptive import AdaptiveK, KChoice, optimistic_costs
 from rollout.engine.config import EngineConfig, bucket
 from rollout.engine.forwards import Forwards
 from rollout.engine import completions as completions_mod
 from rollout.engine.weight_updates import load_heads_update, load_policy_update
-from rollout.engine.round import (PhaseTimes, RoundContext, RoundResult, commit, draft_token, fill_head_caches,
+from rollout.engine.round import (PhaseTimes, RoundContext, RoundResult, commit, fill_head_caches,
                                   run_round)
 from rollout.engine.state import DecodeState, Results, gather_rows
 from rollout.models.decoder import CausalLM, KVCache
@@ -43,7 +43,6 @@ class TorchEngine:
         self.head_version = head_version
         self.forwards = Forwards(policy, None, self.config.compile)
         self._caches: dict[tuple[int, int], KVCache] = {}   # (batch bucket, length) -> static target cache
-        self.costs: dict[int, CostModel] = {}                # batch bucket -> measured cost curve
         self.adaptive: AdaptiveK | None = None
         self.times = PhaseTimes(enabled=self.config.profile)  # of the last generate() call
         if heads is not None:
@@ -87,7 +86,7 @@ class TorchEngine:
         self.times = PhaseTimes(enabled=self.config.profile)
         ctx, st, results = self._prefill(prompts, sampling)
         k_max = sampling.num_draft_tokens
-        adaptive = self._adaptive(ctx, st, k_max) if self.config.adaptive_k and k_max > 0 else None
+        adaptive = self._adaptive(k_max) if self.config.adaptive_k and k_max > 0 else None
         records: list[RoundResult] = []
         choices: list[KChoice] = []
         n_active = len(prompts)
@@ -174,7 +173,7 @@ class TorchEngine:
         cache = self._target_cache(B, L)
         cache.read_len = L                  # a reused cache keeps its last call's window; rounds narrow it
         hidden = torch.zeros(B, L, d, dtype=dtype, device=dev)
-        hidden[:, :P] = self.policy.hidden_states(seq[:, :P], cache, torch.zeros(B, dtype=torch.long, device=dev))
+        hidden[:, :P] = self._prompt_states(seq[:, :P], cache)
         st = DecodeState(seq=seq, committed=lengths.clone(), prompt_len=lengths, hidden=hidden,
                          logprob=torch.zeros(B, L, device=dev), token_entropy=torch.zeros(B, L, device=dev),
                          finished=row_ids < 0, stopped=torch.zeros(B, dtype=torch.bool, device=dev),
@@ -192,6 +191,21 @@ class TorchEngine:
         results = Results(B0, L, d, sp.return_hidden_states, dtype, dev)
         return ctx, st, results
 
+    def _prompt_states(self, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """Policy states [B, P, d] of the (padded) prompts tokens [B, P], written into `cache`, each distinct
+        row computed once: GRPO sends every prompt group_size times (4 in the main job, where prefill
+        was a third of a rollout call). Identical token rows give identical states and cache entries."""
+        B, P = tokens.shape
+        distinct, source = torch.unique(tokens, dim=0, return_inverse=True)      # [U, P], [B]
+        if distinct.shape[0] == B:
+            return self.policy.hidden_states(tokens, cache, torch.zeros(B, dtype=torch.long, device=tokens.device))
+        once = self.policy.new_cache(distinct.shape[0], P)
+        hidden = self.policy.hidden_states(distinct, once, torch.zeros(distinct.shape[0], dtype=torch.long,
+                                                                       device=tokens.device))
+        for dst, src in zip(cache.tensors(), once.tensors()):
+            dst[:, :P] = src[source]
+        return hidden[source]
+
     def _compact(self, st: DecodeState, results: Results, n_active: int, ctx: RoundContext) -> DecodeState:
         """Move the unfinished rows into the smallest bucket that holds them (a few times per call)."""
         new_b = bucket(n_active, self.config.batch_buckets)
@@ -200,49 +214,11 @@ class TorchEngine:
         return gather_rows(st, order, self._target_cache(new_b, st.max_len), self._head_caches(new_b, st.max_len))
 
     # ----------------------------------------------------------------- adaptive k
-    def _adaptive(self, ctx: RoundContext, st: DecodeState, k_max: int) -> AdaptiveK:
-        if st.batch not in self.costs or len(self.costs[st.batch].verify) < k_max + 1:
-            self.costs[st.batch] = self.measure_costs(ctx, st, k_max)
+    def _adaptive(self, k_max: int) -> AdaptiveK:
+        """The engine's one AdaptiveK: its acceptance estimate and measured round times carry over from
+        call to call (an RL worker's calls are short: ~20 rounds each in the main job)."""
         if self.adaptive is None or self.adaptive.k_max != k_max:
-            self.adaptive = AdaptiveK(k_max, self.costs[st.batch], halflife=self.config.acceptance_halflife,
+            self.adaptive = AdaptiveK(k_max, optimistic_costs(k_max), halflife=self.config.acceptance_halflife,
                                       probe_every=self.config.probe_every,
                                       max_probe_every=self.config.max_probe_every)
-        self.adaptive.costs = self.costs[st.batch]
         return self.adaptive
-
-    def measure_costs(self, ctx: RoundContext, st: DecodeState, k_max: int, repeats: int = 5) -> CostModel:
-        """V(n) for n = 1..k_max+1 and one draft step, timed on this state's bucket: medians of
-        `repeats` rounds that time every forward once each, interleaved, so that a burst of load
-        on a shared machine hits all of them rather than skewing one V(n).
-
-        The forwards write cache entries at positions >= c-1 only, which every later forward
-        rewrites before reading, so measuring leaves the decode state intact."""
-        c = st.committed
-        rows = torch.arange(st.batch, device=c.device)
-
-        def timed_once(fn) -> float:
-            if c.device.type == "cuda":
-                torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            fn()
-            if c.device.type == "cuda":
-                torch.cuda.synchronize()
-            return time.perf_counter() - t0
-
-        def verify(n):
-            width = bucket(n, ctx.verify_widths)
-            tokens = st.seq[rows[:, None], (c - 1)[:, None] + torch.arange(width, device=c.device)]
-            return lambda: self.policy.compute_logits(self.forwards.target(tokens, c - 1, st.target)[:, :n])
-
-        D, W = self.heads.num_depths, ctx.head_width
-        pos = (c - 1)[:, None] + torch.arange(W, device=c.device)
-        prev = st.hidden[rows[:, None], pos]
-        toks = st.seq[rows[:, None], pos]
-        fns = [verify(n) for n in range(1, k_max + 2)]
-        fns.append(lambda: draft_token(ctx, self.forwards.head(D - 1, prev, toks, pos, st.heads[D - 1])[:, 0]))
-        for fn in fns:                                     # compiles on first use
-            fn()
-        samples = [[timed_once(fn) for fn in fns] for _ in range(repeats)]
-        med = [sorted(col)[len(col) // 2] for col in zip(*samples)]
-        times, head = med[:-1], med[-1]
-        return CostModel(head=head / times[0], verify=tuple(t / times[0] for t in times))

@@ -1,8 +1,11 @@
 """Adaptive k: weak heads fall back to plain decoding, good ones draft, and outputs stay lossless."""
+from dataclasses import replace
+
 import pytest
 import torch
 
-from rollout.engine.adaptive import AdaptiveK, CostModel
+from rollout import torch_engine
+from rollout.engine.adaptive import AdaptiveK, CostModel, optimistic_costs
 from rollout.engine.config import EngineConfig
 from rollout.models.decoder import random_model
 from rollout.torch_engine import TorchEngine
@@ -84,8 +87,8 @@ def _weak_heads(policy):
 def test_untrained_heads_settle_at_plain_decoding_apart_from_probes(tiny_policy, monkeypatch):
     # the given cost model alone decides (measured round times of a tiny model are noise: tested below)
     monkeypatch.setattr(AdaptiveK, "observe_time", lambda self, k, seconds: None)
+    monkeypatch.setattr(torch_engine, "optimistic_costs", lambda k_max: COSTS)
     engine = TorchEngine(tiny_policy, _weak_heads(tiny_policy), config=EngineConfig(adaptive_k=True, probe_every=8))
-    engine.costs[4] = COSTS
     out = engine.generate(PROMPTS, SamplingParams(max_new_tokens=40, temperature=1.0, ignore_eos=True,
                                                   num_draft_tokens=3, seed=0))
     ks = [(c.k, c.reason) for c in out.k_choices]
@@ -102,9 +105,10 @@ def test_untrained_heads_settle_at_plain_decoding_apart_from_probes(tiny_policy,
     assert all(len(e) == k for e, k in zip(comp.draft_entropies, comp.round_draft_tokens))
 
 
-def test_adaptive_k_is_lossless_at_temperature_zero_while_k_changes(tiny_policy, tiny_heads):
+def test_adaptive_k_is_lossless_at_temperature_zero_while_k_changes(tiny_policy, tiny_heads, monkeypatch):
+    # drafting rarely pays: k moves
+    monkeypatch.setattr(torch_engine, "optimistic_costs", lambda k_max: CostModel(head=0.5, verify=(1.0, 1.3, 1.6, 1.9)))
     engine = TorchEngine(tiny_policy, tiny_heads, config=EngineConfig(adaptive_k=True, probe_every=2))
-    engine.costs[4] = CostModel(head=0.5, verify=(1.0, 1.3, 1.6, 1.9))   # drafting rarely pays: k moves
     greedy = SamplingParams(max_new_tokens=30, temperature=0, ignore_eos=True)
     plain = engine.generate(PROMPTS, greedy)
     out = engine.generate(PROMPTS, SamplingParams(max_new_tokens=30, temperature=0, ignore_eos=True,
@@ -113,12 +117,12 @@ def test_adaptive_k_is_lossless_at_temperature_zero_while_k_changes(tiny_policy,
     assert [c.tokens for c in plain.completions] == [c.tokens for c in out.completions]
 
 
-def test_adaptive_k_is_lossless_at_temperature_one():
+def test_adaptive_k_is_lossless_at_temperature_one(monkeypatch):
     cfg = tiny_config(vocab_size=5)
     policy = random_model(cfg, seed=3)
+    monkeypatch.setattr(torch_engine, "optimistic_costs", lambda k_max: CostModel(head=0.5, verify=(1.0, 1.3, 1.6)))
     engine = TorchEngine(policy, random_heads(policy, 1, seed=5), config=EngineConfig(adaptive_k=True, probe_every=2))
     n = 4000
-    engine.costs[4096] = CostModel(head=0.5, verify=(1.0, 1.3, 1.6))
     plain = continuation_counts(engine, SamplingParams(max_new_tokens=4, temperature=1.0, ignore_eos=True, seed=1), n)
     sp = SamplingParams(max_new_tokens=4, temperature=1.0, ignore_eos=True, seed=2, num_draft_tokens=2)
     out = engine.generate([[4, 2]] * n, sp)
@@ -126,8 +130,19 @@ def test_adaptive_k_is_lossless_at_temperature_one():
     assert chi2_pvalue(plain, [tuple(c.tokens) for c in out.completions]) > 1e-3
 
 
-def test_cost_model_is_measured_when_none_is_given(tiny_policy, tiny_heads):
-    engine = TorchEngine(tiny_policy, tiny_heads, config=EngineConfig(adaptive_k=True))
-    engine.generate(PROMPTS[:1], SamplingParams(max_new_tokens=8, num_draft_tokens=2, seed=0))
-    costs = engine.costs[1]
-    assert costs.verify[0] == pytest.approx(1.0) and len(costs.verify) == 3 and costs.head > 0
+def test_one_adaptive_k_carries_acceptance_and_round_times_across_calls(tiny_policy, monkeypatch):
+    """An RL worker's calls are short: the second call starts where the first left off (no new prior,
+    no new timings), and nothing is measured outside the rounds that decode."""
+    monkeypatch.setattr(AdaptiveK, "observe_time", lambda self, k, seconds: None)   # tiny-model timings are noise
+    engine = TorchEngine(tiny_policy, _weak_heads(tiny_policy), config=EngineConfig(adaptive_k=True, probe_every=8))
+    sp = SamplingParams(max_new_tokens=12, temperature=1.0, ignore_eos=True, num_draft_tokens=3, seed=0)
+    first = engine.generate(PROMPTS, sp)
+    adaptive = engine.adaptive
+    estimate = adaptive.acceptance()
+    assert estimate[0] < 0.5                              # the weak heads were measured below the prior
+    second = engine.generate(PROMPTS, replace(sp, seed=1))
+    assert engine.adaptive is adaptive
+    assert second.k_choices[0].round == first.k_choices[-1].round + 1
+    assert second.k_choices[0].acceptance == tuple(round(a, 4) for a in estimate)
+    assert second.k_choices[0].k == 0                     # no optimistic restart: still plain decoding
+    assert adaptive.costs == optimistic_costs(3)          # no forwards were timed up front

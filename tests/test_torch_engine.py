@@ -231,6 +231,29 @@ def test_rows_finishing_at_different_times_equal_each_row_alone(tiny_policy, tin
         assert comp.logprobs == pytest.approx(alone.logprobs, abs=1e-5)
 
 
+@pytest.mark.parametrize("k", [0, 3])
+def test_a_group_of_repeated_prompts_is_prefilled_once_and_decodes_like_each_prompt_alone(tiny_policy, tiny_heads,
+                                                                                           k, monkeypatch):
+    """GRPO sends each prompt group_size times: the prompt forward runs once per distinct prompt, and
+    every row still decodes exactly as that prompt alone (T = 0) and samples independently (T = 1)."""
+    group = [PROMPTS[0], PROMPTS[1], PROMPTS[0], PROMPTS[0], PROMPTS[1]]
+    engine = TorchEngine(tiny_policy, tiny_heads)
+    greedy = SamplingParams(max_new_tokens=16, temperature=0, ignore_eos=True, num_draft_tokens=k)
+    alone = {i: engine.generate([PROMPTS[i]], greedy).completions[0] for i in (0, 1)}
+    forward_rows = []
+    hidden_states = tiny_policy.hidden_states
+    monkeypatch.setattr(tiny_policy, "hidden_states",
+                        lambda tokens, *a, **kw: forward_rows.append(tokens.shape[0]) or hidden_states(tokens, *a, **kw))
+    out = engine.generate(group, greedy)
+    assert forward_rows[0] == 2                          # 2 distinct prompts (the bucket of 8 pads with prompt 0)
+    for prompt, comp in zip(group, out.completions):
+        ref = alone[PROMPTS.index(prompt)]
+        assert comp.tokens == ref.tokens
+        assert comp.logprobs == pytest.approx(ref.logprobs, abs=1e-5)
+    sampled = engine.generate(group, replace(greedy, temperature=1.0, seed=0))
+    assert len({tuple(sampled.completions[i].tokens) for i in (0, 2, 3)}) > 1   # the copies of prompt 0 differ
+
+
 def _nan_heads(policy, seed=5):
     heads = random_heads(policy, 1, seed=seed)
     with torch.no_grad():

@@ -10,12 +10,15 @@ plain rounds, then after twice as many each time a probe changes nothing, up to 
 (a probe with weak heads costs ~2.5 plain rounds for ~1.3 tokens, so fixed probes every 8 rounds
 held weak heads at ~0.88x plain). Drafting paying again, or new heads, restarts the interval.
 
-The cost model counts forwards only, and a speculative round also pays for more accept and commit
-work (at batch 8 in bf16 that turned k = 1's predicted +8% into -6%: experiments/LOG.md session 5).
-So the engine also reports each round's wall time (`observe_time`); once rounds with k drafts and
-plain rounds have both been timed at the current batch bucket, their measured ratio replaces the
-model's cost for k, and while drafting wins a plain round is timed every `time_plain_every` rounds
-to keep that ratio current.
+Costs are measured on the rounds that decode anyway: the engine reports each round's wall time
+(`observe_time`), and once rounds with k drafts and plain rounds have both been timed at the current
+batch bucket, their measured ratio is the cost of k; while drafting wins, a plain round is timed every
+`time_plain_every` rounds to keep that ratio current. Until then a cost model decides: by default
+`OPTIMISTIC_COSTS` (verification nearly free, drafting cheap), so that each k that could pay is
+drafted once, timed and then judged by what it really cost. (The engine used to time every forward
+up front instead: ~1 s per batch bucket, 10% of the main job's ten RL steps; and a forward-only
+model missed a speculative round's extra accept and commit work, which at batch 8 in bf16 turned
+k = 1's predicted +8% into -6%: experiments/LOG.md session 5.)
 """
 from __future__ import annotations
 
@@ -32,6 +35,12 @@ class CostModel:
 
     def round_cost(self, k: int) -> float:
         return k * self.head + self.verify[k]
+
+
+def optimistic_costs(k_max: int) -> CostModel:
+    """The prior cost model: a head step at 0.1 and V(n) = 1 + 0.05 (n - 1), below what any CPU or GPU
+    measured here, so that drafting is tried (and timed) before measured round times take over."""
+    return CostModel(head=0.1, verify=tuple(1.0 + 0.05 * n for n in range(k_max + 1)))
 
 
 @dataclass(frozen=True)

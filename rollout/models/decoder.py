@@ -5,9 +5,10 @@ new keys/values at start[b] .. start[b]+T-1 and each query attends to keys at po
 <= its own. Anything the cache holds beyond a row's committed length is never read, so
 rewinding after a rejected draft is only a change of `start`, never a copy.
 
-The cache is static: preallocated at [B, max_len] and always read whole, masked by position,
-so a forward's shapes depend only on (B, T, max_len) and never on the data. That keeps the
-forward free of host synchronisation and lets torch.compile reuse one graph per shape.
+The cache is static: preallocated at [B, max_len] and read up to `read_len` (a host-side bound
+the engine keeps: the whole buffer in compiled graphs), masked by position, so a forward's shapes
+depend only on (B, T, read_len) and never on the data on the device. That keeps the forward free of
+host synchronisation and lets torch.compile reuse one graph per shape.
 """
 from __future__ import annotations
 
