@@ -53,9 +53,13 @@ def test_measured_round_times_replace_the_forward_only_cost_model():
         ak.observe([4], [8])                               # acceptance 0.5
     first = ak.choose(bucket=8)
     assert first.k == 1 and first.reason == "best"         # nothing timed yet: the model decides
+    ak.observe_time(1, 5.0)                                # each (bucket, k)'s first round is warm-up: no sample
+    assert ak.choose(bucket=8).k == 1 and not ak.seconds
     ak.observe_time(1, 0.160)
     second = ak.choose(bucket=8)
     assert (second.k, second.reason) == (0, "time_plain")  # a k = 1 time needs a plain time to divide by
+    ak.observe_time(0, 0.100)
+    assert ak.choose(bucket=8).reason == "time_plain"      # (the plain round's warm-up)
     ak.observe_time(0, 0.100)
     third = ak.choose(bucket=8)
     assert third.k == 0 and third.cost == pytest.approx(1.0) and ak.round_cost(1) == pytest.approx(1.6)
@@ -63,6 +67,7 @@ def test_measured_round_times_replace_the_forward_only_cost_model():
     fast = AdaptiveK(1, COSTS, time_plain_every=10)
     for _ in range(20):
         fast.observe([4], [8])
+    fast.warmed_up = {(8, 0), (8, 1)}
     fast.choose(bucket=8)
     fast.observe_time(1, 0.110)
     fast.choose(bucket=8)

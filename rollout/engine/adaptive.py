@@ -77,6 +77,7 @@ class AdaptiveK:
         self.plain_streak = 0
         # (batch bucket, k) -> smoothed wall seconds of such a round; the bucket of the current round
         self.seconds: dict[tuple[int, int], float] = {}
+        self.warmed_up: set[tuple[int, int]] = set()   # keys whose first round (not a cost sample) has run
         self.bucket: int | None = None
         self.time_decay = 0.5 ** (1.0 / time_halflife)
         self.time_plain_every = time_plain_every
@@ -126,10 +127,16 @@ class AdaptiveK:
         return choice
 
     def observe_time(self, k: int, seconds: float) -> None:
-        """Wall time of the round just run with k drafts, at the bucket passed to choose()."""
+        """Wall time of the round just run with k drafts, at the bucket passed to choose(). The first
+        round of each (bucket, k) is no sample: it pays for first use (oneDNN builds a kernel per new
+        shape), and one such sample made k = 2 look several times dearer than it is, so adaptive k
+        never drafted again at batch 1 (experiments/LOG.md, session 7)."""
         if not (seconds > 0 and math.isfinite(seconds)) or self.bucket is None:
             return
         key = (self.bucket, k)
+        if key not in self.warmed_up:
+            self.warmed_up.add(key)
+            return
         old = self.seconds.get(key)
         self.seconds[key] = seconds if old is None else old * self.time_decay + seconds * (1 - self.time_decay)
 
