@@ -92,7 +92,7 @@ class KVCache:
 
     def plan(self, positions: torch.Tensor, groups: int) -> tuple[torch.Tensor, torch.Tensor]:
         """What every layer of one forward shares, made once: for new tokens at positions [B, T], the
-        attention mask [B, 1, groups*T, max_len] (query row g*T + t sees keys <= positions[b, t]) and
+        attention mask [B, 1, groups*T, read_len] (query row g*T + t sees keys <= positions[b, t]) and
         the rows [B*T] they are written to in the flattened [B*max_len, H_kv, hd] buffers.
 
         Kept until a forward passes another positions tensor (all layers of a forward pass the same
