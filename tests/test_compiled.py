@@ -1,7 +1,8 @@
 """The compiled path (torch.compile over the static cache) generates what the eager path does.
 
-Kept small for CI: one tiny float32 model, one batch bucket and k = 1 with a one-depth head, so
-the whole module compiles three graphs (a decoder layer at widths 1 and 2, the head block at 2)."""
+Kept small for CI: one tiny model (float32, and once in bfloat16), one batch bucket and k = 1 with a
+one-depth head, so each dtype compiles three graphs (a decoder layer at widths 1 and 2, the head
+block at 2)."""
 import pytest
 import torch
 
@@ -72,6 +73,20 @@ def test_compiled_sequence_distribution_unchanged_and_lossy_control_fails(compil
     assert chi2_pvalue(plain, continuation_counts(compiled, sp, N)) > 1e-3
     monkeypatch.setattr(round_module, "rejection_sample", lossy_rejection_sample)
     assert chi2_pvalue(plain, continuation_counts(compiled, sp, N)) < 1e-6
+
+
+def test_compiled_bfloat16_sequence_distribution_unchanged_and_lossy_control_fails(monkeypatch):
+    """The same distribution test on the compiled path in bfloat16 (the CPU's default dtype here)."""
+    policy = random_model(tiny_config(vocab_size=5), seed=3, dtype=torch.bfloat16)
+    engine = TorchEngine(policy, random_heads(policy, 1, seed=5),
+                         config=EngineConfig(compile=True, batch_buckets=(N,)))
+    plain = continuation_counts(engine, SamplingParams(max_new_tokens=3, temperature=1.0, ignore_eos=True,
+                                                        seed=1), N)
+    sp = SamplingParams(max_new_tokens=3, temperature=1.0, ignore_eos=True, seed=2, num_draft_tokens=1)
+    assert chi2_pvalue(plain, continuation_counts(engine, sp, N)) > 1e-3
+    assert engine.forwards.compiled and policy.lm_head_weight.dtype == torch.bfloat16
+    monkeypatch.setattr(round_module, "rejection_sample", lossy_rejection_sample)
+    assert chi2_pvalue(plain, continuation_counts(engine, sp, N)) < 1e-6
 
 
 def test_compile_time_is_reported_apart_and_shapes_are_reused(compiled):
