@@ -2,13 +2,15 @@
 
 With conditional acceptance a_j at draft position j (smoothed over past rounds), a round with k
 drafts emits E(k) = 1 + sum_{j<=k} prod_{i<=j} a_i tokens on average (bonus/recovered included)
-and costs k * c_head + V(k+1) in units of a 1-token target forward (V measured per batch bucket).
+and costs k * c_head + V(k+1) in units of a 1-token target forward (or its measured round time).
 k = 0 (plain decoding, E = 1, cost 1) wins whenever the heads do not pay for themselves, so weak
-or stale heads fall back to plain decoding. While k = 0 wins, a probe round drafts k_max anyway so
-that acceptance keeps being measured and improved heads are noticed: the first after `probe_every`
-plain rounds, then after twice as many each time a probe changes nothing, up to `max_probe_every`
-(a probe with weak heads costs ~2.5 plain rounds for ~1.3 tokens, so fixed probes every 8 rounds
-held weak heads at ~0.88x plain). Drafting paying again, or new heads, restarts the interval.
+or stale heads fall back to plain decoding. While k = 0 wins, a probe round drafts anyway so that
+acceptance and round times keep being measured and improved heads are noticed: the first after
+`probe_every` plain rounds, then after twice as many each time a probe changes nothing, up to
+`max_probe_every` (a probe with weak heads costs ~2.5 plain rounds for ~1.3 tokens, so fixed probes
+every 8 rounds held weak heads at ~0.88x plain). Probes cycle through k = k_max, ..., 1, so that a k
+priced out by one noisy round time is timed again. Drafting paying again, or new heads, restarts
+the interval.
 
 Costs are measured on the rounds that decode anyway: the engine reports each round's wall time
 (`observe_time`), and once rounds with k drafts and plain rounds have both been timed at the current
@@ -69,6 +71,7 @@ class AdaptiveK:
         self.k_max, self.costs, self.probe_every = k_max, costs, probe_every
         self.max_probe_every = max(max_probe_every, probe_every)
         self.probe_interval = probe_every     # plain rounds before the next probe
+        self.probes = 0                       # probes so far (they cycle through k_max, ..., 1)
         self.decay = 0.5 ** (1.0 / halflife)
         # pseudo-counts: a prior of `prior` worth `prior_weight` reached rows per position
         self.accepted = [prior * prior_weight] * k_max
@@ -113,7 +116,8 @@ class AdaptiveK:
         elif best == 0:
             self.plain_streak += 1
             if self.k_max > 0 and self.plain_streak >= self.probe_interval:
-                best, reason = self.k_max, "probe"
+                best, reason = self.k_max - self.probes % self.k_max, "probe"
+                self.probes += 1
                 self.plain_streak = 0
                 self.probe_interval = min(2 * self.probe_interval, self.max_probe_every)
         else:
