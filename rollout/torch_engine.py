@@ -22,7 +22,7 @@ from rollout.engine.forwards import Forwards
 from rollout.engine import completions as completions_mod
 from rollout.engine.weight_updates import load_heads_update, load_policy_update
 from rollout.engine.round import (PhaseTimes, RoundContext, RoundResult, commit, fill_head_caches,
-                                  run_round)
+                                  round_slack, run_round)
 from rollout.engine.state import DecodeState, Results, gather_rows
 from rollout.models.decoder import CausalLM, KVCache
 from rollout.types import RolloutBatch, SamplingParams, validate_request
@@ -151,8 +151,7 @@ class TorchEngine:
         D = self.heads.num_depths if (self.heads is not None and k > 0) else 0
         head_width = max(k + 1, D)
         P = max(len(p) for p in prompts)
-        slack = 2 * max(bucket(k + 1, ecfg.verify_widths), head_width) + D + 4
-        need = P + sp.max_new_tokens + slack
+        need = P + sp.max_new_tokens + round_slack(k, ecfg.verify_widths, head_width, D)
         L = -(-need // ecfg.length_bucket) * ecfg.length_bucket
         d = self.policy.config.hidden_size
         dtype = self.policy.model.embed_tokens.weight.dtype
@@ -169,7 +168,7 @@ class TorchEngine:
         stop = set(sp.stop_token_ids) | (set() if sp.ignore_eos else set(self.policy.config.eos_token_ids))
         ctx = RoundContext(self.policy, self.heads if k > 0 else None, self.forwards, sp, gen,
                            torch.tensor(sorted(stop) or [-2], dtype=torch.long, device=dev),
-                           ecfg.verify_widths, head_width, self.times, slack)
+                           ecfg.verify_widths, head_width, self.times)
         cache = self._target_cache(B, L)
         cache.read_len = L                  # a reused cache keeps its last call's window; rounds narrow it
         hidden = torch.zeros(B, L, d, dtype=dtype, device=dev)

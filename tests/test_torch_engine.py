@@ -65,6 +65,8 @@ def test_rounds_that_accept_every_draft_read_every_key_they_need(tiny_policy, ti
     plain = engine.generate(PROMPTS, sp)
     monkeypatch.setattr(round_module, "draft", oracle_draft)
     monkeypatch.setattr(round_module, "READ_WINDOW_STEP", 1)           # no rounding up: the window itself
+    tight_plain = engine.generate(PROMPTS, sp)
+    assert [c.tokens for c in tight_plain.completions] == [c.tokens for c in plain.completions]
     spec = engine.generate(PROMPTS, replace(sp, num_draft_tokens=3))
     for a, b in zip(plain.completions, spec.completions):
         assert b.tokens == a.tokens

@@ -59,9 +59,6 @@ class RoundContext:
     verify_widths: tuple[int, ...]
     head_width: int                   # positions per head-cache update chunk: max(k_max + 1, D)
     times: PhaseTimes
-    # positions a round may touch beyond the longest row's c (verification, head chunks, scratch):
-    # the caches were allocated as longest prompt + max_new_tokens + this
-    slack: int = 0
 
 
 @dataclass
@@ -77,11 +74,22 @@ class RoundResult:
 READ_WINDOW_STEP = 32   # the caches' read window grows in steps of this many positions
 
 
-def set_read_window(ctx: RoundContext, st: DecodeState) -> None:
-    """Attention of the coming round reads cache positions < longest + slack only (rounded up), the
-    most any valid query can see: at batch 8 a step with ~100 tokens of context no longer pays for
-    the whole buffer (~2.5x as long)."""
-    window = min(st.max_len, -(-(st.longest + ctx.slack) // READ_WINDOW_STEP) * READ_WINDOW_STEP)
+def round_slack(k: int, verify_widths: tuple[int, ...], head_width: int, num_depths: int) -> int:
+    """Positions a round with k drafts may touch beyond the longest row's length: the padded
+    verification, head-cache chunks of head_width and their scratch entries (none when k = 0).
+    The engine allocates its caches for k_max's slack; each round reads only its own."""
+    if k == 0:
+        return 2 * bucket(1, verify_widths) + 4
+    return 2 * max(bucket(k + 1, verify_widths), head_width) + num_depths + 4
+
+
+def set_read_window(ctx: RoundContext, st: DecodeState, k: int) -> None:
+    """Attention of the coming round reads cache positions < longest + its slack only (rounded up),
+    the most any valid query can see: at batch 8 a step with ~100 tokens of context no longer pays
+    for the whole buffer (~2.5x as long), and a plain round of adaptive k no more than plain decoding."""
+    D = ctx.heads.num_depths if ctx.heads is not None else 0
+    need = st.longest + round_slack(k, ctx.verify_widths, ctx.head_width, D)
+    window = min(st.max_len, -(-need // READ_WINDOW_STEP) * READ_WINDOW_STEP)
     for cache in (st.target, *st.heads):
         cache.read_len = window
 
@@ -89,7 +97,7 @@ def set_read_window(ctx: RoundContext, st: DecodeState) -> None:
 def run_round(ctx: RoundContext, st: DecodeState, k: int) -> RoundResult:
     sp, dev = ctx.sampling, st.seq.device
     B = st.batch
-    set_read_window(ctx, st)
+    set_read_window(ctx, st, k)
     rows = torch.arange(B, device=dev)
     active, c = ~st.finished, st.committed
     with ctx.times.phase("draft", dev):
