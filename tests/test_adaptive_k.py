@@ -44,6 +44,17 @@ def test_choice_maximises_expected_tokens_per_cost():
     assert mid.choose().k == 1                      # E(1)/cost = 1.5/1.35 beats k = 2, 3 and plain
 
 
+def test_drafting_must_beat_plain_by_a_margin():
+    """Near break-even adaptive k decodes plainly: k = 1 predicted +3% (E = 1.5 for cost 1.46) is not worth
+    what round times leave out; +10% is."""
+    for cost, expected_k in ((1.46, 0), (1.36, 1)):
+        ak = AdaptiveK(1, CostModel(head=0.0, verify=(1.0, cost)))
+        for _ in range(20):
+            ak.observe([4], [8])                           # acceptance 0.5: E(1) = 1.5
+        choice = ak.choose()
+        assert choice.k == expected_k and choice.reason == "best"
+
+
 def test_measured_round_times_replace_the_forward_only_cost_model():
     """The model says k = 1 pays (E = 1.5 for cost 1.15); timed rounds say a k = 1 round takes 1.6
     plain rounds (accept/commit work the model does not count): adaptive k falls back to plain,
