@@ -58,8 +58,8 @@ def process_logits_with_entropy(logits: torch.Tensor, temperature: float, top_k:
         return probs, probs.new_zeros(probs.shape[:-1])
     z = processed_logits(logits, temperature, top_k, top_p)
     probs = z.softmax(-1)
-    z_max, _ = z.max(-1)
-    p_max, _ = probs.max(-1)
+    z_max, at = z.max(-1)
+    p_max = probs.gather(-1, at[..., None]).squeeze(-1)                 # softmax keeps z's argmax
     finite_z = z if (not top_k and top_p >= 1.0) else torch.where(probs > 0, z, 0.0)   # 0 * -inf would be NaN
     ent = z_max - p_max.log() - torch.linalg.vecdot(probs, finite_z)
     return probs, ent.clamp_min(0.0)

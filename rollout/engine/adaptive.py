@@ -16,7 +16,7 @@ Costs are measured on the rounds that decode anyway: the engine reports each rou
 (`observe_time`), and once rounds with k drafts and plain rounds have both been timed at the current
 batch bucket, their measured ratio is the cost of k; while drafting wins, a plain round is timed every
 `time_plain_every` rounds to keep that ratio current. Until then a cost model decides: by default
-`OPTIMISTIC_COSTS` (verification nearly free, drafting cheap), so that each k that could pay is
+`optimistic_costs` (verification nearly free, drafting cheap), so that each k that could pay is
 drafted once, timed and then judged by what it really cost. (The engine used to time every forward
 up front instead: ~1 s per batch bucket, 10% of the main job's ten RL steps; and a forward-only
 model missed a speculative round's extra accept and commit work, which at batch 8 in bf16 turned

@@ -40,8 +40,7 @@ class Forwards:
                        and sum(p.numel() for p in policy.parameters()) >= AUTO_COMPILE_MIN_PARAMS)
         self.compiled = bool(compile)
         self.compile_times: dict[tuple, float] = {}  # (graph, shapes) -> seconds of its first call
-        self._layer, self._depth = _layer_body, _depth_body
-        if self.compiled:
+        if self.compiled:   # eager calls the modules on the real caches (target, head)
             _configure_dynamo()
             mode = "reduce-overhead" if self.device.type == "cuda" else None
             self._layer = torch.compile(_layer_body, dynamic=False, mode=mode)
@@ -78,8 +77,7 @@ class Forwards:
         return self._call(key, self._depth, depth, prev, embeds, cos, sin, positions, cache.k, cache.v)
 
     def _call(self, key, fn, *args):
-        if not self.compiled:
-            return fn(*args)
+        # a compiled graph: its first call per key compiles, and that time is kept apart
         if key in self.compile_times:
             out = fn(*args)
         else:
@@ -97,6 +95,7 @@ def _cache_of(k: list[torch.Tensor], v: list[torch.Tensor]) -> KVCache:
     cache = KVCache.__new__(KVCache)
     cache.k, cache.v, cache.max_len = list(k), list(v), k[0].shape[1]
     cache.read_len = cache.max_len        # compiled graphs read the whole buffer: one shape per cache
+    cache._plan = None
     return cache
 
 

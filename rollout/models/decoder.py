@@ -89,6 +89,7 @@ class KVCache:
         # attention reads positions < read_len only: the engine narrows it to what its rows can have
         # reached (rollout.engine.round), so that a step costs the context it has, not the whole buffer
         self.read_len = max_len
+        self._plan: tuple | None = None   # (positions, groups, read_len, mask, rows) of the last forward
 
     def plan(self, positions: torch.Tensor, groups: int) -> tuple[torch.Tensor, torch.Tensor]:
         """What every layer of one forward shares, made once: for new tokens at positions [B, T], the
@@ -97,7 +98,7 @@ class KVCache:
 
         Kept until a forward passes another positions tensor (all layers of a forward pass the same
         one, and none changes it in place): per layer, these few small ops were ~10% of a decode step."""
-        memo = getattr(self, "_plan", None)
+        memo = self._plan
         if memo is not None and memo[0] is positions and memo[1:3] == (groups, self.read_len):
             return memo[3], memo[4]
         B, dev = positions.shape[0], positions.device
