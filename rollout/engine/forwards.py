@@ -16,7 +16,7 @@ import time
 import torch
 
 from mtp_heads.heads import MTPDepth, MTPHeads
-from rollout.models.decoder import CausalLM, DecoderLayer, KVCache
+from rollout.models.decoder import Cache, CausalLM, DecoderLayer, KVCache
 
 AUTO_COMPILE_MIN_PARAMS = 20_000_000
 
@@ -50,7 +50,7 @@ class Forwards:
         self.heads = heads
 
     # ------------------------------------------------------------------ calls
-    def target(self, tokens: torch.Tensor, start: torch.Tensor, cache: KVCache) -> torch.Tensor:
+    def target(self, tokens: torch.Tensor, start: torch.Tensor, cache: Cache) -> torch.Tensor:
         # tokens [B, T] at positions start[b] .. start[b]+T-1 -> final-norm hidden [B, T, d]
         model = self.policy.model
         positions = start[:, None] + torch.arange(tokens.shape[1], device=tokens.device)
@@ -66,7 +66,7 @@ class Forwards:
         return model.norm(x)
 
     def head(self, j: int, prev: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor,
-             cache: KVCache) -> torch.Tensor:
+             cache: Cache) -> torch.Tensor:
         # depth j (0-based); prev [B, T, d]; tokens, positions [B, T] -> [B, T, d]
         depth = self.heads.depths[j]
         if not (self.compiled and type(depth) is MTPDepth):   # another drafter: its own forward, eager

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field, fields
 
 import torch
 
-from rollout.models.decoder import KVCache
+from rollout.models.decoder import Cache
 
 
 @dataclass
@@ -29,8 +29,8 @@ class DecodeState:
     finished: torch.Tensor       # [B] bool (padding rows start finished)
     stopped: torch.Tensor        # [B] bool, finished on a stop token
     row_ids: torch.Tensor        # [B] int64 prompt index of each slot, -1 = padding
-    target: KVCache
-    heads: list[KVCache] = field(default_factory=list)             # one per head depth
+    target: Cache
+    heads: list[Cache] = field(default_factory=list)             # one per head depth
     head_len: list[torch.Tensor] = field(default_factory=list)     # [B] per depth
     head_hidden: list[torch.Tensor] = field(default_factory=list)  # [B, L, d] per depth
     # host-side bound on how many positions each depth's cache lags behind (see round.update_heads)
@@ -51,12 +51,11 @@ _ROW_TENSORS = ("seq", "committed", "prompt_len", "hidden", "logprob", "token_en
                 "row_ids")
 
 
-def gather_rows(state: DecodeState, idx: torch.Tensor, target: KVCache, heads: list[KVCache]) -> DecodeState:
+def gather_rows(state: DecodeState, idx: torch.Tensor, target: Cache, heads: list[Cache]) -> DecodeState:
     """A state of len(idx) rows: state's rows idx, caches copied into `target` / `heads` (no new
     allocation when those are the engine's preallocated caches of the smaller bucket)."""
     for new, old in zip([target, *heads], [state.target, *state.heads]):
-        for dst, src in zip(new.tensors(), old.tensors()):
-            dst.copy_(src[idx])
+        new.copy_rows_from(old, idx)
     rows = {f.name: getattr(state, f.name)[idx] for f in fields(state) if f.name in _ROW_TENSORS}
     return DecodeState(**rows, target=target, heads=heads, head_len=[h[idx] for h in state.head_len],
                        head_hidden=[h[idx] for h in state.head_hidden], head_lag=list(state.head_lag),

