@@ -62,7 +62,7 @@ class BenchDecodeConfig:
     compile: list[bool] = field(default_factory=lambda: [True])   # engine settings to run: eager and/or compiled
     threads: int = 1                       # torch threads
     verify_ns: list[int] = field(default_factory=lambda: [1, 2, 4, 8])   # n of the V(n) curve
-    cost_repeats: int = 5                  # timed forwards per V(n) point (median)
+    cost_repeats: int = 15                 # timed forwards per V(n) point (median; widths interleaved)
     json: str = ""                         # write all rows here
     log: str = ""                          # append a markdown table to this file (experiments/LOG.md)
 
@@ -113,21 +113,22 @@ def run_ours(engine: TorchEngine, prompts: list[list[int]], sampling: SamplingPa
 @torch.inference_mode()
 def verify_cost_curve(engine: TorchEngine, prompts: list[list[int]], ns: list[int], repeats: int) -> dict:
     """V(n): median time of an n-token target forward over the median 1-token time, same batch.
-    Forwards start at each row's pending position, as in decoding (cache context = the prompt)."""
+    Forwards start at each row's pending position, as in decoding (cache context = the prompt); the
+    widths are interleaved within each repeat, so that the machine's drift does not land on one n."""
     sp = SamplingParams(max_new_tokens=max(ns) + 2, temperature=1.0, ignore_eos=True, seed=0)
     ctx, st, _ = engine._prefill(prompts, sp)
     c = st.committed
     rows = torch.arange(st.batch)[:, None]
-    times = {}
+    tokens = {n: st.seq[rows, (c - 1)[:, None] + torch.arange(n)] for n in ns}
     for n in ns:
-        tokens = st.seq[rows, (c - 1)[:, None] + torch.arange(n)]
-        engine.forwards.target(tokens, c - 1, st.target)          # compile / warm up
-        ts = []
-        for _ in range(repeats):
+        engine.forwards.target(tokens[n], c - 1, st.target)       # compile / warm up
+    samples: dict[int, list[float]] = {n: [] for n in ns}
+    for _ in range(repeats):
+        for n in ns:
             t0 = time.perf_counter()
-            engine.policy.compute_logits(engine.forwards.target(tokens, c - 1, st.target))
-            ts.append(time.perf_counter() - t0)
-        times[n] = statistics.median(ts)
+            engine.policy.compute_logits(engine.forwards.target(tokens[n], c - 1, st.target))
+            samples[n].append(time.perf_counter() - t0)
+    times = {n: statistics.median(ts) for n, ts in samples.items()}
     return {"ms": {n: 1e3 * t for n, t in times.items()}, "V": {n: times[n] / times[ns[0]] for n in ns}}
 
 

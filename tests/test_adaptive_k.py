@@ -44,6 +44,21 @@ def test_choice_maximises_expected_tokens_per_cost():
     assert mid.choose().k == 1                      # E(1)/cost = 1.5/1.35 beats k = 2, 3 and plain
 
 
+def test_probes_above_the_best_k_keep_deeper_positions_measured():
+    """While k = 1 wins, probes draft k = 3, then k = 2 (backing off as at k = 0), so that positions 2-3
+    and the longer rounds keep being measured; when those turn out good, the choice moves there."""
+    ak = AdaptiveK(3, CostModel(head=0.3, verify=(1.0, 1.05, 1.1, 1.15)))
+    for _ in range(20):
+        ak.observe([4, 1, 0], [8, 4, 1])           # a = 0.5, 0.25, 0: k = 1 wins (1.5 / 1.35)
+    ks = [ak.choose() for _ in range(40)]
+    assert {c.k for c in ks if c.reason == "best"} == {1}
+    assert [(c.round - ks[0].round, c.k) for c in ks if c.reason == "probe"] == [(7, 3), (7 + 16, 2)]
+    for _ in range(30):
+        ak.observe([8, 8, 8], [8, 8, 8])           # what the probes would find with better heads
+    moved = ak.choose()
+    assert (moved.k, moved.reason) == (3, "best") and ak.probe_interval == ak.probe_every
+
+
 def test_drafting_must_beat_plain_by_a_margin():
     """Near break-even adaptive k decodes plainly: k = 1 predicted +3% (E = 1.5 for cost 1.46) is not worth
     what round times leave out; +10% is."""
@@ -163,3 +178,19 @@ def test_one_adaptive_k_carries_acceptance_and_round_times_across_calls(tiny_pol
     assert second.k_choices[0].acceptance == tuple(round(a, 4) for a in estimate)
     assert second.k_choices[0].k == 0                     # no optimistic restart: still plain decoding
     assert adaptive.costs == optimistic_costs(3)          # no forwards were timed up front
+
+
+def test_bench_decode_reports_every_setting_and_the_cost_curve(tiny_policy, tiny_heads, capsys):
+    """bench-decode's study on a tiny model: a row per setting and batch, ratios to plain, V(1) = 1."""
+    from experiments.bench_decode import BenchDecodeConfig, bench_engine, make_engine
+    cfg = BenchDecodeConfig(k=2, extra_ks=[1], batch_sizes=[1, 2], max_new_tokens=8, repeats=2,
+                            verify_ns=[1, 2, 4], cost_repeats=3)
+    rows = bench_engine(make_engine(tiny_policy, tiny_heads, compile=False), PROMPTS, cfg, "tiny")
+    assert [(r["batch"], r["setting"]) for r in rows] == [
+        (b, s) for b in (1, 2) for s in ("plain", "k=2", "adaptive<=2", "k=1")]
+    for r in rows:
+        assert r["V"][1] == 1.0 and set(r["V"]) == {1, 2, 4} and all(v > 0 for v in r["forward_ms"].values())
+        assert r["tok_s"] > 0 and len(r["all_tok_s"]) == 2
+        assert (r["ratio_to_plain"] == 1.0) == (r["setting"] == "plain")
+        assert (r["acceptance"] is None) == (r["setting"] == "plain")
+    assert "V(4)=" in capsys.readouterr().out

@@ -4,13 +4,15 @@ With conditional acceptance a_j at draft position j (smoothed over past rounds),
 drafts emits E(k) = 1 + sum_{j<=k} prod_{i<=j} a_i tokens on average (bonus/recovered included)
 and costs k * c_head + V(k+1) in units of a 1-token target forward (or its measured round time).
 k = 0 (plain decoding, E = 1, cost 1) wins whenever the heads do not pay for themselves, so weak
-or stale heads fall back to plain decoding. While k = 0 wins, a probe round drafts anyway so that
-acceptance and round times keep being measured and improved heads are noticed: the first after
-`probe_every` plain rounds, then after twice as many each time a probe changes nothing, up to
-`max_probe_every` (a probe with weak heads costs ~2.5 plain rounds for ~1.3 tokens, so fixed probes
-every 8 rounds held weak heads at ~0.88x plain). Probes cycle through k = k_max, ..., 1, so that a k
-priced out by one noisy round time is timed again. Drafting paying again, or new heads, restarts
-the interval.
+or stale heads fall back to plain decoding. While a k below k_max wins, a probe round drafts more
+anyway, so that acceptance at the positions that k never reaches and the round times of the longer
+ks keep being measured and improved heads are noticed: the first after `probe_every` rounds, then
+after twice as many each time a probe changes nothing, up to `max_probe_every` (a probe with weak
+heads costs ~2.5 plain rounds for ~1.3 tokens, so fixed probes every 8 rounds held weak heads at
+~0.88x plain). Probes cycle through k = k_max, ..., best + 1, so that a k priced out by one noisy
+round time is timed again (without probes above the best k, k = 1 winning early at batch 1 left
+positions 2-3 at the prior and k = 3 never timed: session 8). A change of the best k, or new heads,
+restarts the interval.
 
 Costs are measured on the rounds that decode anyway: the engine reports each round's wall time
 (`observe_time`), and once rounds with k drafts and plain rounds have both been timed at the current
@@ -81,7 +83,8 @@ class AdaptiveK:
         self.accepted = [prior * prior_weight] * k_max
         self.reached = [prior_weight] * k_max
         self.rounds = 0
-        self.plain_streak = 0
+        self.last_best = 0                    # the previous round's argmax, and rounds it has held since the
+        self.streak = 0                       # last probe
         # (batch bucket, k) -> smoothed wall seconds of such a round; the bucket of the current round
         self.seconds: dict[tuple[int, int], float] = {}
         self.warmed_up: set[tuple[int, int]] = set()   # keys whose first round (not a cost sample) has run
@@ -116,19 +119,19 @@ class AdaptiveK:
             best = 0                           # near break-even: plain decoding (see min_gain)
         reason = "best"
         timed = any(b == bucket for b, _ in self.seconds)
+        if best != self.last_best:             # the choice moved: probe its alternatives soon again
+            self.last_best, self.streak, self.probe_interval = best, 0, self.probe_every
         if best > 0 and timed and ((bucket, 0) not in self.seconds
                                    or self.rounds - self.last_plain >= self.time_plain_every):
             best, reason = 0, "time_plain"     # refresh the plain round time the measured costs divide by
-        elif best == 0:
-            self.plain_streak += 1
-            if self.k_max > 0 and self.plain_streak >= self.probe_interval:
-                best, reason = self.k_max - self.probes % self.k_max, "probe"
+        elif best < self.k_max:
+            self.streak += 1
+            if self.streak >= self.probe_interval:
+                deeper = range(self.k_max, best, -1)            # the ks whose positions `best` never reaches
+                best, reason = deeper[self.probes % len(deeper)], "probe"
                 self.probes += 1
-                self.plain_streak = 0
+                self.streak = 0
                 self.probe_interval = min(2 * self.probe_interval, self.max_probe_every)
-        else:
-            self.plain_streak = 0
-            self.probe_interval = self.probe_every
         if best == 0:
             self.last_plain = self.rounds
         choice = KChoice(self.rounds, best, reason, self.expected_tokens(best), self.round_cost(best),
@@ -153,7 +156,7 @@ class AdaptiveK:
     def heads_changed(self) -> None:
         """New head weights (a co-trainer refresh): probe them soon instead of after a long backoff."""
         self.probe_interval = self.probe_every
-        self.plain_streak = min(self.plain_streak, self.probe_every - 1)
+        self.streak = min(self.streak, self.probe_every - 1)
 
     def observe(self, accepted: list[float], reached: list[float]) -> None:
         """accepted[j] / reached[j]: rows of the last round that accepted / reached draft j."""
