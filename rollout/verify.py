@@ -21,7 +21,7 @@ PLACEHOLDER = -1  # output slot after the last emitted token
 
 def processed_logits(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
     """logits [..., V] float32 -> z [..., V]: divided by the temperature (> 0), -inf outside top-k / top-p."""
-    z = logits / temperature
+    z = logits if temperature == 1 else logits / temperature     # (a copy of 8 x 49,152 floats saved at T = 1)
     if top_k and top_k < z.shape[-1]:
         kth = z.topk(top_k, dim=-1).values[..., -1:]
         z = z.masked_fill(z < kth, float("-inf"))

