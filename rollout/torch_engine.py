@@ -89,12 +89,12 @@ class TorchEngine:
         adaptive = self._adaptive(k_max) if self.config.adaptive_k and k_max > 0 else None
         records: list[RoundResult] = []
         choices: list[KChoice] = []
-        n_active = len(prompts)
+        n_active, remaining = len(prompts), sampling.max_new_tokens - 1     # (prefill sampled one token)
         while n_active > 0:
             if bucket(n_active, self.config.batch_buckets) < st.batch:
                 st = self._compact(st, results, n_active, ctx)
             if adaptive is not None:
-                choice = adaptive.choose(st.batch)
+                choice = adaptive.choose(st.batch, n_active, remaining)
                 choices.append(choice)
                 k = choice.k
             else:
@@ -107,17 +107,19 @@ class TorchEngine:
             # the round's one host synchronisation: the stop check, with the counts adaptive k needs
             drafted = r.active & (r.num_drafts > 0)
             pos = torch.arange(k, device=st.seq.device)[None]
+            left = (sampling.max_new_tokens - (st.committed - st.prompt_len)).masked_fill(st.finished, 0)
             counts = torch.cat([
                 (~st.finished).sum()[None], (st.committed.sum() - before)[None],
                 ((r.num_accepted[:, None] > pos) & drafted[:, None]).sum(0),     # accepted at j
                 ((r.num_accepted[:, None] >= pos) & drafted[:, None]).sum(0),    # reached j
+                left.max()[None],                                                 # the most tokens still to go
             ]).tolist()
-            n_active = counts[0]
+            n_active, remaining = counts[0], counts[-1]
             if adaptive is not None:
                 if self.forwards.compile_time_s == compile_s:   # a round that compiled is no cost sample
                     adaptive.observe_time(k, time.perf_counter() - t_round)
                 if k > 0:
-                    adaptive.observe(counts[2:2 + k], counts[2 + k:])
+                    adaptive.observe(counts[2:2 + k], counts[2 + k:2 + 2 * k])
             if progress is not None:
                 progress(counts[1], sum(counts[2:2 + k]), k * int(drafted.sum()))
         results.save(st)

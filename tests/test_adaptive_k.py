@@ -59,6 +59,23 @@ def test_probes_above_the_best_k_keep_deeper_positions_measured():
     assert (moved.k, moved.reason) == (3, "best") and ak.probe_interval == ak.probe_every
 
 
+def test_a_batch_values_drafts_by_its_slowest_row():
+    """k = 1 at acceptance 0.4 for 1.25 plain rounds: +12% for one row, but 8 rows with 24 tokens to go wait
+    for the slowest (~19.2 rounds instead of ~17.1): plain. Long generations shrink that tail."""
+    ak = AdaptiveK(1, CostModel(head=0.0, verify=(1.0, 1.25)))
+    for _ in range(40):
+        ak.observe([4], [10])
+    assert ak.acceptance()[0] == pytest.approx(0.4, abs=0.01)
+    e = ak.expected_tokens(1)
+    assert ak.batch_tokens(1, 1, 24) == e and ak.batch_tokens(0, 8, 24) == 1.0
+    assert ak.batch_tokens(1, 8, 24) == pytest.approx(1.25, abs=0.01)
+    assert ak.batch_tokens(1, 8, 24) < ak.batch_tokens(1, 2, 24) < e
+    assert ak.batch_tokens(1, 8, 24) < ak.batch_tokens(1, 8, 2000) < e
+    assert ak.choose(rows=1, remaining=24).k == 1
+    batch = ak.choose(rows=8, remaining=24)
+    assert batch.k == 0 and batch.reason == "best"
+
+
 def test_drafting_must_beat_plain_by_a_margin():
     """Near break-even adaptive k decodes plainly: k = 1 predicted +3% (E = 1.5 for cost 1.46) is not worth
     what round times leave out; +10% is."""
