@@ -56,7 +56,7 @@ class KChoice:
 
     round: int
     k: int
-    reason: str                     # "best": argmax of tokens per cost; "probe": drafting while k = 0 wins;
+    reason: str                     # "best": argmax of tokens per cost; "probe": drafting more than the best k;
                                     # "time_plain": a plain round timed so that measured costs stay current
     expected_tokens: float          # tokens per round under the current acceptance estimate (batch_tokens)
     cost: float                     # k * c_head + V(k+1), or the measured round-time ratio
