@@ -80,6 +80,20 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return (x.float() * cos + rotated.float() * sin).to(x.dtype)
 
 
+def grouped_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """SDPA with grouped-query heads: q [B, H, T, hd]; keys, values [B, H_kv, L, hd] (any strides); mask
+    [B, 1, groups*T, L] (query row g*T + t) -> [B, T, H, hd].
+
+    GQA without copying K/V: the `groups` query heads that share a K/V head are folded into the query
+    length ([B, H, T, hd] -> [B, H_kv, groups*T, hd]), so SDPA reads the cache as it is. Repeating K/V by
+    hand copied the whole cache per layer and step (B=8: 7.7 ms vs 0.46 ms per layer in bf16; enable_gqa
+    was slower still on CPU; experiments/LOG.md session 5)."""
+    B, H, T, hd = q.shape
+    H_kv = keys.shape[1]
+    out = F.scaled_dot_product_attention(q.reshape(B, H_kv, H // H_kv * T, hd), keys, values, attn_mask=mask)
+    return out.view(B, H, T, hd).transpose(1, 2)
+
+
 class KVCache:
     """Keys/values of `num_layers` layers: [B, max_len, H_kv, hd] each, addressed by position."""
 
@@ -125,18 +139,10 @@ class KVCache:
                positions: torch.Tensor) -> torch.Tensor:
         """Write the new keys/values, attend over the cache: q [B, H, T, hd]; k, v [B, H_kv, T, hd];
         positions [B, T] -> [B, T, H, hd]."""
-        B, H, T, hd = q.shape
-        groups = H // k.shape[1]
-        mask, rows = self.plan(positions, groups)
+        mask, rows = self.plan(positions, q.shape[1] // k.shape[1])
         self.write(layer, rows, k.transpose(1, 2), v.transpose(1, 2))
         keys, values = (t.transpose(1, 2) for t in self.read(layer))   # [B, H_kv, L, hd], views
-        # GQA without copying K/V: the `groups` query heads that share a K/V head are folded into the
-        # query length ([B, H, T, hd] -> [B, H_kv, groups*T, hd], row g*T + t), so SDPA reads the cache
-        # as it is. Repeating K/V by hand copied the whole cache per layer and step (B=8: 7.7 ms vs
-        # 0.46 ms per layer in bf16; enable_gqa was slower still on CPU; experiments/LOG.md session 5).
-        out = F.scaled_dot_product_attention(q.reshape(B, k.shape[1], groups * T, hd), keys, values,
-                                             attn_mask=mask)
-        return out.view(B, H, T, hd).transpose(1, 2)
+        return grouped_attention(q, keys, values, mask)
 
     def tensors(self) -> list[torch.Tensor]:
         return self.k + self.v
@@ -206,12 +212,10 @@ class Attention(nn.Module):
         q, k, v = self.project_qkv(x, rope)                              # q [B, H, T, hd]
         if cache is not None:
             out = cache.attend(layer, q, k, v, positions)                # [B, T, H, hd]
-        else:   # the T tokens among themselves (training, teacher forcing), GQA folded as in KVCache
+        else:   # the T tokens among themselves (training, teacher forcing)
             groups = self.n_heads // self.n_kv
             mask = positions[:, None, None, :] <= positions[:, None, :, None]
-            mask = mask.repeat(1, 1, groups, 1) if groups > 1 else mask
-            out = F.scaled_dot_product_attention(q.reshape(B, self.n_kv, groups * T, self.hd), k, v, attn_mask=mask)
-            out = out.view(B, self.n_heads, T, self.hd).transpose(1, 2)
+            out = grouped_attention(q, k, v, mask.repeat(1, 1, groups, 1) if groups > 1 else mask)
         return self.o_proj(out.reshape(B, T, self.n_heads * self.hd))
 
 

