@@ -116,8 +116,8 @@ class TorchEngine:
             ]).tolist()
             n_active, remaining = counts[0], counts[-1]
             if adaptive is not None:
-                if self.forwards.compile_time_s == compile_s:   # a round that compiled is no cost sample
-                    adaptive.observe_time(k, time.perf_counter() - t_round)
+                compiled_now = self.forwards.compile_time_s != compile_s   # a round that compiled is no cost sample
+                adaptive.observe_time(k, float("nan") if compiled_now else time.perf_counter() - t_round)
                 if k > 0:
                     adaptive.observe(counts[2:2 + k], counts[2 + k:2 + 2 * k])
             if progress is not None:

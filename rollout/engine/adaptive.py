@@ -11,24 +11,30 @@ anyway, so that acceptance at the positions that k never reaches and the round t
 ks keep being measured and improved heads are noticed: the first after `probe_every` rounds, then
 after twice as many each time a probe changes nothing, up to `max_probe_every` (a probe with weak
 heads costs ~2.5 plain rounds for ~1.3 tokens, so fixed probes every 8 rounds held weak heads at
-~0.88x plain). Probes cycle through k = k_max, ..., best + 1, so that a k priced out by one noisy
-round time is timed again (without probes above the best k, k = 1 winning early at batch 1 left
+~0.88x plain), but no further than where probes lose `probe_budget` of the time (`probe_loss`).
+Probes cycle through k = k_max, ..., best + 1, so that a k priced out by one noisy round time is
+timed again (without probes above the best k, k = 1 winning early at batch 1 left
 positions 2-3 at the prior and k = 3 never timed: session 8). A change of the best k, or new heads,
 restarts the interval.
 
 Costs are measured on the rounds that decode anyway: the engine reports each round's wall time
-(`observe_time`), and once rounds with k drafts and plain rounds have both been timed at the current
-batch bucket, their measured ratio is the cost of k; while drafting wins, a plain round is timed every
-`time_plain_every` rounds to keep that ratio current. Until then a cost model decides: by default
-`optimistic_costs` (verification nearly free, drafting cheap), so that each k that could pay is
-drafted once, timed and then judged by what it really cost. (The engine used to time every forward
-up front instead: ~1 s per batch bucket, 10% of the main job's ten RL steps; and a forward-only
-model missed a speculative round's extra accept and commit work, which at batch 8 in bf16 turned
-k = 1's predicted +8% into -6%: experiments/LOG.md session 5.)
+(`observe_time`), and the cost of k is the median, over recent pairs of adjacent rounds with k and
+with no drafts (or with k and a k' whose cost is known), of their time ratio. Adjacent rounds see the
+same machine: this VM's speed drifts by 10-40% within seconds, and ratios of separately averaged
+times (plain rounds from one minute, probes from another) priced k = 1 anywhere between 0.65 and 1.7
+plain rounds where it costs 1.15 (experiments/LOG.md, session 9). While drafting wins, a plain round
+runs every `time_plain_every` rounds to keep pairs coming. Until a pair exists a cost model decides:
+by default `optimistic_costs` (verification nearly free, drafting cheap), so that each k that could
+pay is drafted once, timed and then judged by what it really cost. (The engine used to time every
+forward up front instead: ~1 s per batch bucket, 10% of the main job's ten RL steps; and a
+forward-only model missed a speculative round's extra accept and commit work, which at batch 8 in
+bf16 turned k = 1's predicted +8% into -6%: experiments/LOG.md session 5.)
 """
 from __future__ import annotations
 
 import math
+import statistics
+from collections import deque
 from dataclasses import dataclass
 from statistics import NormalDist
 
@@ -70,7 +76,8 @@ class AdaptiveK:
 
     def __init__(self, k_max: int, costs: CostModel, *, halflife: float = 32.0, probe_every: int = 8,
                  max_probe_every: int = 128, prior: float = 0.5, prior_weight: float = 2.0,
-                 time_halflife: float = 8.0, time_plain_every: int = 32, min_gain: float = 0.05):
+                 time_window: int = 9, time_plain_every: int = 32, min_gain: float = 0.05,
+                 probe_budget: float = 0.02):
         if len(costs.verify) < k_max + 1:
             raise ValueError(f"the cost model covers V(1..{len(costs.verify)}), k_max={k_max} needs V({k_max + 1})")
         self.k_max, self.costs, self.probe_every = k_max, costs, probe_every
@@ -79,25 +86,51 @@ class AdaptiveK:
         # flipped k between 0 and 1 (main job at batch 8: k = 1 predicted +6%, measured -6%; LOG session 7)
         self.min_gain = min_gain
         self.max_probe_every = max(max_probe_every, probe_every)
+        self.probe_budget = probe_budget      # backoff stops where probes lose less than this share of time
         self.probe_interval = probe_every     # plain rounds before the next probe
         self.probes = 0                       # probes so far (they cycle through k_max, ..., 1)
         self.decay = 0.5 ** (1.0 / halflife)
-        # pseudo-counts: a prior of `prior` worth `prior_weight` reached rows per position
-        self.accepted = [prior * prior_weight] * k_max
-        self.reached = [prior_weight] * k_max
+        # decayed counts of rows that reached / accepted each draft position, and the prior they are shrunk to
+        self.accepted = [0.0] * k_max
+        self.reached = [0.0] * k_max
+        self.prior, self.prior_weight = prior, prior_weight
         self.rounds = 0
-        self.last_best = 0                    # the previous round's argmax, and rounds it has held since the
-        self.streak = 0                       # last probe
-        # (batch bucket, k) -> smoothed wall seconds of such a round; the bucket of the current round
-        self.seconds: dict[tuple[int, int], float] = {}
+        # per batch bucket, the argmax of its previous round (a call's last rounds run at smaller buckets,
+        # where other ks win: one best k for all buckets restarted the probe interval every call, and weak
+        # heads at batch 8 were probed every ~20 rounds instead of ~50-128)
+        self.last_best: dict[int | None, int] = {}
+        self.streak = 0                       # rounds below k_max since the last probe
+        # (batch bucket, a, b), a < b -> log(t_b / t_a) of the last `time_window` adjacent rounds with a and b
+        # drafts (either order); the previous timed round (bucket, k, seconds); the bucket of the current round
+        self.log_ratios: dict[tuple[int, int, int], deque[float]] = {}
+        self.time_window = time_window
+        self.last_time: tuple[int, int, float] | None = None
         self.warmed_up: set[tuple[int, int]] = set()   # keys whose first round (not a cost sample) has run
         self.bucket: int | None = None
-        self.time_decay = 0.5 ** (1.0 / time_halflife)
         self.time_plain_every = time_plain_every
         self.last_plain = 0                    # round index of the last plain round
 
+    def measured_ratio(self, a: int, b: int) -> float | None:
+        """Round time with b drafts over round time with a drafts at the current bucket: the median over
+        recent pairs of adjacent rounds, or None before any such pair."""
+        lo, hi = min(a, b), max(a, b)
+        logs = self.log_ratios.get((self.bucket, lo, hi))
+        if a == b or not logs:
+            return 1.0 if a == b else None
+        r = math.exp(statistics.median(logs))
+        return r if a < b else 1.0 / r
+
     def acceptance(self) -> list[float]:
-        return [a / r if r > 0 else 0.0 for a, r in zip(self.accepted, self.reached)]
+        """Conditional acceptance per draft position, each shrunk towards the one before it (the first towards
+        `prior`) with `prior_weight` pseudo-rows. Deeper positions are measured only when every position
+        before them accepted: at batch 1 a few rows a hundred rounds, and a prior of 0.5 or a few unlucky
+        rows there decided between k = 1, 2 and 3 (experiments/LOG.md, session 9), while the positions'
+        true rates are alike (0.37 / 0.39 / 0.39 for the shipped heads)."""
+        out, prior = [], self.prior
+        for a, r in zip(self.accepted, self.reached):
+            prior = (a + self.prior_weight * prior) / (r + self.prior_weight)
+            out.append(prior)
+        return out
 
     def expected_tokens(self, k: int) -> float:
         return _tokens_per_round(self.acceptance()[:k])[0]
@@ -119,10 +152,15 @@ class AdaptiveK:
         return remaining / rounds
 
     def round_cost(self, k: int) -> float:
-        """Cost of a k-draft round in plain rounds: measured when both are timed at this bucket."""
-        t_k, t_0 = self.seconds.get((self.bucket, k)), self.seconds.get((self.bucket, 0))
-        if k > 0 and t_k is not None and t_0 is not None and t_0 > 0:
-            return t_k / t_0
+        """Cost of a k-draft round in plain rounds at this bucket: measured next to plain rounds, or next to
+        rounds of a k' that was (probes run between rounds of the best k), else the cost model's."""
+        direct = self.measured_ratio(0, k)
+        if direct is not None:
+            return direct
+        for m in range(1, self.k_max + 1):
+            via, step = self.measured_ratio(0, m), self.measured_ratio(m, k)
+            if m != k and via is not None and step is not None:
+                return via * step
         return self.costs.round_cost(k)
 
     def choose(self, bucket: int | None = None, rows: int = 1, remaining: int = 0) -> KChoice:
@@ -134,12 +172,12 @@ class AdaptiveK:
         if best > 0 and rates[best] < rates[0] * (1 + self.min_gain):
             best = 0                           # near break-even: plain decoding (see min_gain)
         reason = "best"
-        timed = any(b == bucket for b, _ in self.seconds)
-        if best != self.last_best:             # the choice moved: probe its alternatives soon again
-            self.last_best, self.streak, self.probe_interval = best, 0, self.probe_every
-        if best > 0 and timed and ((bucket, 0) not in self.seconds
-                                   or self.rounds - self.last_plain >= self.time_plain_every):
-            best, reason = 0, "time_plain"     # refresh the plain round time the measured costs divide by
+        if best != self.last_best.setdefault(bucket, best):   # the choice moved: probe its alternatives soon again
+            self.last_best[bucket], self.streak, self.probe_interval = best, 0, self.probe_every
+        after_plain = self.last_time is not None and self.last_time[:2] == (bucket, 0)
+        if (best > 0 and (bucket, best) in self.warmed_up and not after_plain
+                and (self.measured_ratio(0, best) is None or self.rounds - self.last_plain >= self.time_plain_every)):
+            best, reason = 0, "time_plain"     # a plain round next to rounds of the best k: its measured cost
         elif best < self.k_max:
             self.streak += 1
             if self.streak >= self.probe_interval:
@@ -147,7 +185,10 @@ class AdaptiveK:
                 best, reason = deeper[self.probes % len(deeper)], "probe"
                 self.probes += 1
                 self.streak = 0
-                self.probe_interval = min(2 * self.probe_interval, self.max_probe_every)
+                cheap = self.probe_loss(deeper[self.probes % len(deeper)], self.last_best[bucket], rows, remaining) \
+                    / self.probe_budget                         # rounds over which the next probe's loss stays small
+                self.probe_interval = min(2 * self.probe_interval, self.max_probe_every,
+                                          max(self.probe_every, math.ceil(cheap)))
         if best == 0:
             self.last_plain = self.rounds
         choice = KChoice(self.rounds, best, reason, self.batch_tokens(best, rows, remaining), self.round_cost(best),
@@ -155,19 +196,33 @@ class AdaptiveK:
         self.rounds += 1
         return choice
 
+    def probe_loss(self, k: int, best: int, rows: int = 1, remaining: int = 0) -> float:
+        """Time a round with k drafts loses against the best k, in plain rounds, under current estimates:
+        its cost minus the time the best k takes for as many tokens. Backoff is for expensive probes
+        (weak heads at batch 8: ~2.5 plain rounds for ~1.3 tokens); where drafting is near break-even a
+        probe costs almost nothing and keeps acceptance and costs fresh (at batch 1, probes every 128
+        rounds left adaptive k at plain decoding for half a run after one noisy stretch: LOG session 9)."""
+        rate = self.batch_tokens(best, rows, remaining) / self.round_cost(best)
+        return max(0.0, self.round_cost(k) - self.batch_tokens(k, rows, remaining) / rate)
+
     def observe_time(self, k: int, seconds: float) -> None:
         """Wall time of the round just run with k drafts, at the bucket passed to choose(). The first
         round of each (bucket, k) is no sample: it pays for first use (oneDNN builds a kernel per new
         shape), and one such sample made k = 2 look several times dearer than it is, so adaptive k
         never drafted again at batch 1 (experiments/LOG.md, session 7)."""
         if not (seconds > 0 and math.isfinite(seconds)) or self.bucket is None:
+            self.last_time = None              # no sample, and the next round has no timed neighbour
             return
         key = (self.bucket, k)
         if key not in self.warmed_up:
             self.warmed_up.add(key)
+            self.last_time = None
             return
-        old = self.seconds.get(key)
-        self.seconds[key] = seconds if old is None else old * self.time_decay + seconds * (1 - self.time_decay)
+        if self.last_time is not None and self.last_time[0] == self.bucket and self.last_time[1] != k:
+            _, k_prev, t_prev = self.last_time
+            lo, hi, ratio = (k_prev, k, seconds / t_prev) if k_prev < k else (k, k_prev, t_prev / seconds)
+            self.log_ratios.setdefault((self.bucket, lo, hi), deque(maxlen=self.time_window)).append(math.log(ratio))
+        self.last_time = (self.bucket, k, seconds)
 
     def heads_changed(self) -> None:
         """New head weights (a co-trainer refresh): probe them soon instead of after a long backoff."""

@@ -26,8 +26,9 @@ class EngineConfig:
     # adaptive k: num_draft_tokens in SamplingParams becomes the maximum; each round drafts the k
     # in 0..max with the most expected tokens per unit of measured cost (rollout.engine.adaptive).
     adaptive_k: bool = False
-    probe_every: int = 8                # when adaptive k chose 0, the n-th plain round drafts max k anyway,
-    max_probe_every: int = 128          # and each probe that changes nothing doubles n up to this
+    probe_every: int = 8                # while adaptive k's best is below max, the n-th round drafts more anyway,
+    max_probe_every: int = 128          # and each probe that changes nothing doubles n up to this (while
+                                        # probes lose over 2% of the time: AdaptiveK.probe_budget)
     acceptance_halflife: float = 32.0   # rounds; smoothing of the per-position acceptance estimate
     profile: bool = False               # time draft/verify/accept/commit per round (syncs on GPU)
 
