@@ -27,12 +27,12 @@ def test_choice_maximises_expected_tokens_per_cost():
     assert [c.k for c in ks if c.reason == "best"] == [0] * sum(c.reason == "best" for c in ks)
     assert [c.k for c in ks if c.reason == "probe"][:6] == [3, 2, 1, 3, 2, 1]   # each k is timed again in turn
     # cheap probes (this cost model: a k = 1 probe loses 0.11 plain rounds, k = 3 0.39) back off only until
-    # they lose ~probe_budget = 2% of the time: every 8-20 rounds, not every 128
+    # they lose ~probe_budget = 1% of the time: every 8-40 rounds, not every 128
     probes = [c.round - ks[0].round for c in ks if c.reason == "probe"]
     gaps = [b - a for a, b in zip(probes, probes[1:])]
-    assert probes[0] == 7 and 8 <= min(gaps) and max(gaps) <= 20
+    assert probes[0] == 7 and 8 <= min(gaps) and max(gaps) <= 40
     lost = sum(ak.probe_loss(c.k, 0) for c in ks if c.reason == "probe")
-    assert 0.01 <= lost / len(ks) <= 0.025
+    assert 0.005 <= lost / len(ks) <= 0.015
     dear = AdaptiveK(3, CostModel(head=1.0, verify=(1.0, 1.6, 2.2, 2.8)))   # probes lose 1.6-4.7 rounds each
     for _ in range(3):
         dear.observe([0, 0, 0], [8, 0, 0])
@@ -63,9 +63,7 @@ def test_probes_above_the_best_k_keep_deeper_positions_measured():
         ak.observe([4, 1, 0], [8, 4, 1])           # a = 0.5, 0.25, 0: k = 1 wins (1.5 / 1.35)
     ks = [ak.choose() for _ in range(40)]
     assert {c.k for c in ks if c.reason == "best"} == {1}
-    # the second probe (k = 2: 1.7 plain rounds for 1.625 tokens, where k = 1 makes 1.11 per round) loses
-    # 0.24 plain rounds: it waits 12 rounds, not 16, to stay within probe_budget
-    assert [(c.round - ks[0].round, c.k) for c in ks if c.reason == "probe"] == [(7, 3), (7 + 12, 2)]
+    assert [(c.round - ks[0].round, c.k) for c in ks if c.reason == "probe"] == [(7, 3), (7 + 16, 2)]
     for _ in range(30):
         ak.observe([8, 8, 8], [8, 8, 8])           # what the probes would find with better heads
     moved = ak.choose()
@@ -90,9 +88,9 @@ def test_a_calls_last_rounds_at_small_buckets_do_not_restart_probing_at_the_larg
             probes_at_8 += [c.round] if c.reason == "probe" else []
         tail = [ak.choose(bucket=1, rows=1) for _ in range(2)]
         assert all(c.k > 0 for c in tail)                     # the small bucket drafts (model costs)
-    # the interval doubles until a probe would lose more than probe_budget: 32-50 rounds at these costs
+    # the interval doubles until a probe would lose more than probe_budget: 63-100 rounds at these costs
     gaps = [b - a for a, b in zip(probes_at_8, probes_at_8[1:])]
-    assert gaps[:2] == [16, 32] and min(gaps[2:]) >= 32
+    assert gaps[:2] == [16, 32] and min(gaps[2:]) >= 60
 
 
 def test_deeper_positions_are_shrunk_towards_the_position_before():

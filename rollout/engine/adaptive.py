@@ -77,7 +77,7 @@ class AdaptiveK:
     def __init__(self, k_max: int, costs: CostModel, *, halflife: float = 32.0, probe_every: int = 8,
                  max_probe_every: int = 128, prior: float = 0.5, prior_weight: float = 2.0,
                  time_window: int = 9, time_plain_every: int = 32, min_gain: float = 0.05,
-                 probe_budget: float = 0.02):
+                 probe_budget: float = 0.01):
         if len(costs.verify) < k_max + 1:
             raise ValueError(f"the cost model covers V(1..{len(costs.verify)}), k_max={k_max} needs V({k_max + 1})")
         self.k_max, self.costs, self.probe_every = k_max, costs, probe_every

@@ -28,7 +28,7 @@ class EngineConfig:
     adaptive_k: bool = False
     probe_every: int = 8                # while adaptive k's best is below max, the n-th round drafts more anyway,
     max_probe_every: int = 128          # and each probe that changes nothing doubles n up to this (while
-                                        # probes lose over 2% of the time: AdaptiveK.probe_budget)
+                                        # probes lose over 1% of the time: AdaptiveK.probe_budget)
     acceptance_halflife: float = 32.0   # rounds; smoothing of the per-position acceptance estimate
     profile: bool = False               # time draft/verify/accept/commit per round (syncs on GPU)
 
