@@ -80,7 +80,7 @@ def test_a_calls_last_rounds_at_small_buckets_do_not_restart_probing_at_the_larg
     for _ in range(20):
         ak.observe([4, 2, 1], [8, 4, 2])                      # a = 0.5
     for k in (1, 2, 3):
-        ak.log_ratios[(8, 0, k)] = deque([math.log(2.5)])
+        ak.log_ratios[(8, 0, k)] = deque([math.log(2.5)] * 4)
     probes_at_8 = []
     for call in range(6):
         for _ in range(60):
@@ -151,8 +151,12 @@ def test_measured_round_times_replace_the_forward_only_cost_model():
     ak.observe_time(0, 0.300)                              # (the plain round's warm-up)
     assert ak.choose(bucket=8).reason == "time_plain"
     ak.observe_time(0, 0.100)
-    assert ak.choose(bucket=8).k == 1                      # next to a timed plain round: k = 1 again
-    ak.observe_time(1, 0.160)
+    ks = []
+    for _ in range(5):                                     # k = 1 and plain alternate until 4 pairs are timed
+        c = ak.choose(bucket=8)
+        ks.append(c.k)
+        ak.observe_time(c.k, 0.160 if c.k else 0.100)
+    assert ks == [1, 0, 1, 0, 0] and len(ak.log_ratios[(8, 0, 1)]) == 4   # then it is priced: plain wins
     third = ak.choose(bucket=8)
     assert third.k == 0 and third.cost == pytest.approx(1.0) and ak.round_cost(1) == pytest.approx(1.6)
     assert ak.choose(bucket=16).k == 1                     # another bucket: not timed, the model again
@@ -166,9 +170,11 @@ def test_measured_round_times_replace_the_forward_only_cost_model():
         fast.observe_time(c.k, 0.110 if c.k else 0.100)
         reasons.append(c.reason)
     assert fast.round_cost(1) == pytest.approx(1.1)
-    assert reasons.count("best") >= 26 and 2 <= reasons.count("time_plain") <= 4
+    # plain rounds alternate with k = 1 until min_pairs pairs are timed, then one every time_plain_every rounds
+    assert reasons[:4] == ["time_plain", "best"] * 2 and reasons.count("best") >= 24
+    assert 3 <= reasons.count("time_plain") <= 6
     ak.observe_time(1, float("nan"))                       # bad samples are ignored
-    assert len(ak.log_ratios[(8, 0, 1)]) == 1 and ak.last_time is None
+    assert len(ak.log_ratios[(8, 0, 1)]) == 4 and ak.last_time is None
 
 
 def test_round_costs_come_from_adjacent_rounds_so_that_machine_drift_cancels():
@@ -188,7 +194,8 @@ def test_round_costs_come_from_adjacent_rounds_so_that_machine_drift_cancels():
     probe = AdaptiveK(3, COSTS, time_plain_every=1000)      # a k timed only next to rounds of another k
     probe.warmed_up = {(1, k) for k in range(4)}
     probe.choose(bucket=1)
-    for k, t in [(0, 1.0), (1, 1.15), (3, 1.38), (1, 1.15), (3, 1.38), (1, 1.15)]:
+    for k, t in [(0, 1.0), (1, 1.15), (0, 1.0), (1, 1.15), (0, 1.0), (1, 1.15), (3, 1.38), (1, 1.15), (3, 1.38),
+                 (1, 1.15)]:
         probe.observe_time(k, t)
     assert probe.round_cost(3) == pytest.approx(1.38) and probe.round_cost(2) == COSTS.round_cost(2)
 

@@ -77,7 +77,7 @@ class AdaptiveK:
     def __init__(self, k_max: int, costs: CostModel, *, halflife: float = 32.0, probe_every: int = 8,
                  max_probe_every: int = 128, prior: float = 0.5, prior_weight: float = 2.0,
                  time_window: int = 9, time_plain_every: int = 32, min_gain: float = 0.05,
-                 probe_budget: float = 0.01):
+                 probe_budget: float = 0.01, min_pairs: int = 4):
         if len(costs.verify) < k_max + 1:
             raise ValueError(f"the cost model covers V(1..{len(costs.verify)}), k_max={k_max} needs V({k_max + 1})")
         self.k_max, self.costs, self.probe_every = k_max, costs, probe_every
@@ -103,7 +103,7 @@ class AdaptiveK:
         # (batch bucket, a, b), a < b -> log(t_b / t_a) of the last `time_window` adjacent rounds with a and b
         # drafts (either order); the previous timed round (bucket, k, seconds); the bucket of the current round
         self.log_ratios: dict[tuple[int, int, int], deque[float]] = {}
-        self.time_window = time_window
+        self.time_window, self.min_pairs = time_window, min_pairs
         self.last_time: tuple[int, int, float] | None = None
         self.warmed_up: set[tuple[int, int]] = set()   # keys whose first round (not a cost sample) has run
         self.bucket: int | None = None
@@ -112,10 +112,12 @@ class AdaptiveK:
 
     def measured_ratio(self, a: int, b: int) -> float | None:
         """Round time with b drafts over round time with a drafts at the current bucket: the median over
-        recent pairs of adjacent rounds, or None before any such pair."""
+        recent pairs of adjacent rounds, or None before `min_pairs` of them. A probe between plain rounds
+        makes two pairs that share its time, and one slow probe (2.1x plain where k = 3 costs 1.4x) priced
+        k = 3 out for the rest of a traced run (experiments/LOG.md, session 9)."""
         lo, hi = min(a, b), max(a, b)
         logs = self.log_ratios.get((self.bucket, lo, hi))
-        if a == b or not logs:
+        if a == b or not logs or len(logs) < self.min_pairs:
             return 1.0 if a == b else None
         r = math.exp(statistics.median(logs))
         return r if a < b else 1.0 / r
