@@ -6,8 +6,9 @@
 For every engine setting (dtype x eager/compiled) and batch size: compile first (timed apart),
 measure the verification-cost curve V(n) = cost(n-token forward) / cost(1-token forward), then
 `repeats` interleaved generations: plain (k = 0), speculative with fixed k, adaptive k, and any
-extra fixed k, all on the same prompts within a repeat (repeats rotate through the prompt list). Prints medians of tok/s, the median of per-repeat ratios to
-plain, acceptance, tau and the per-round time of draft / verify / accept / commit; writes JSON.
+extra fixed k, all on the same prompts within a repeat (repeats rotate through the prompt list).
+Prints medians of tok/s, the median of per-repeat ratios to plain, acceptance, tau, the per-round
+time of draft / verify / accept / commit and adaptive k's rounds per k; writes JSON.
 
 Function API (used by the vLLM side-by-side bench): `make_engine(...)` and
 `run_ours(engine, prompts, sampling) -> dict` (one timed generate with its breakdown).

@@ -23,9 +23,9 @@ with no drafts (or with k and a k' whose cost is known), of their time ratio. Ad
 same machine: this VM's speed drifts by 10-40% within seconds, and ratios of separately averaged
 times (plain rounds from one minute, probes from another) priced k = 1 anywhere between 0.65 and 1.7
 plain rounds where it costs 1.15 (experiments/LOG.md, session 9). While drafting wins, a plain round
-runs every `time_plain_every` rounds to keep pairs coming. Until a pair exists a cost model decides:
-by default `optimistic_costs` (verification nearly free, drafting cheap), so that each k that could
-pay is drafted once, timed and then judged by what it really cost. (The engine used to time every
+runs every `time_plain_every` rounds to keep pairs coming. Until `min_pairs` pairs exist a cost model
+decides: by default `optimistic_costs` (verification nearly free, drafting cheap), so that each k that
+could pay is drafted, timed and then judged by what it really cost. (The engine used to time every
 forward up front instead: ~1 s per batch bucket, 10% of the main job's ten RL steps; and a
 forward-only model missed a speculative round's extra accept and commit work, which at batch 8 in
 bf16 turned k = 1's predicted +8% into -6%: experiments/LOG.md session 5.)
@@ -125,7 +125,7 @@ class AdaptiveK:
     def acceptance(self) -> list[float]:
         """Conditional acceptance per draft position, each shrunk towards the one before it (the first towards
         `prior`) with `prior_weight` pseudo-rows. Deeper positions are measured only when every position
-        before them accepted: at batch 1 a few rows a hundred rounds, and a prior of 0.5 or a few unlucky
+        before them accepted: at batch 1 a few rows per hundred rounds, and a prior of 0.5 or a few unlucky
         rows there decided between k = 1, 2 and 3 (experiments/LOG.md, session 9), while the positions'
         true rates are alike (0.37 / 0.39 / 0.39 for the shipped heads)."""
         out, prior = [], self.prior
