@@ -95,13 +95,12 @@ def rejection_sample(
     if draft_probs is not None and draft_probs.shape != (B, k, target_probs.shape[-1]):
         raise ValueError(f"draft_probs must be [B, k, V], got {tuple(draft_probs.shape)}")
     device = target_probs.device
-    p_all = target_probs[:, :k]                                                   # [B, k, V]
-    p_draft = p_all.gather(-1, draft_tokens[..., None]).squeeze(-1)              # [B, k]
+    rows = torch.arange(B, device=device)
+    p_draft = target_probs[:, :k].gather(-1, draft_tokens[..., None]).squeeze(-1)  # [B, k]
     if draft_probs is None:
-        q_all = torch.zeros_like(p_all).scatter_(-1, draft_tokens[..., None], 1.0)
+        q_draft = torch.ones_like(p_draft)
     else:
-        q_all = draft_probs
-    q_draft = q_all.gather(-1, draft_tokens[..., None]).squeeze(-1)              # [B, k]
+        q_draft = draft_probs.gather(-1, draft_tokens[..., None]).squeeze(-1)       # [B, k]
 
     # accepted iff u < p/q, written without division: u * q < p (q > 0 for a drafted token)
     uniform = torch.rand((B, k), generator=generator, device=device, dtype=p_draft.dtype)
@@ -110,16 +109,21 @@ def rejection_sample(
         accepted &= torch.arange(k, device=device)[None] < num_drafts[:, None]
     num_accepted = accepted.long().cumprod(dim=1).sum(dim=1)                      # [B]
 
-    # recovered distribution at every draft position, bonus distribution at position k
-    residual = (p_all - q_all).clamp_min(0)                                       # [B, k, V]
-    mass = residual.sum(-1, keepdim=True)
-    recovered = torch.where(mass > 0, residual / mass.clamp_min(1e-30), p_all)  # p == q: never rejected
-    final_dists = torch.cat([recovered, target_probs[:, k:]], dim=1)              # [B, k+1, V]
-    rows = torch.arange(B, device=device)
-    last_dist = final_dists[rows, num_accepted]                                   # [B, V]
-    if num_drafts is not None:  # all of a row's m drafts passed: its bonus comes from p at m
-        last_dist = torch.where((num_accepted == num_drafts)[:, None], target_probs[rows, num_accepted], last_dist)
-    last_token = sample(last_dist, generator)                                    # [B]
+    # each row's last token comes from one distribution: the recovered norm(max(0, p - q)) at its first
+    # rejected draft, or the bonus p after its last draft. Only that position is built ([B, V], not the
+    # [B, k+1, V] of every position), and not normalised: the exponential race is scale-invariant.
+    p_stop = target_probs[rows, num_accepted]                                     # [B, V]
+    at = num_accepted.clamp_max(k - 1)
+    if k == 0:
+        q_stop = torch.zeros_like(p_stop)
+    elif draft_probs is None:
+        q_stop = torch.zeros_like(p_stop).scatter_(-1, draft_tokens[rows, at][:, None], 1.0)
+    else:
+        q_stop = draft_probs[rows, at]                                            # [B, V]
+    residual = (p_stop - q_stop).clamp_min(0)
+    passed = num_accepted == (k if num_drafts is None else num_drafts)
+    use_p = passed | (residual.sum(-1) <= 0)      # the bonus; or p == q, which never rejects in exact arithmetic
+    last_token = sample(torch.where(use_p[:, None], p_stop, residual), generator)  # [B]
 
     positions = torch.arange(k + 1, device=device)[None]                          # [1, k+1]
     drafts_padded = torch.cat([draft_tokens, draft_tokens.new_full((B, 1), PLACEHOLDER)], dim=1)
