@@ -7,7 +7,7 @@ One process tree: for every setting (dtype x torch threads) the parent starts on
 engine (our torch engine, which serves plain and speculative calls; vLLM plain; vLLM speculative
 with our heads as its drafter). Children wait on a pipe, so only one engine computes at a time.
 Each repeat runs every (batch size, engine variant) once with the same prompts and seed, in an
-order rotated per repeat; reported: median tokens/s, the median of the per-repeat ratios, and
+order rotated per repeat (the repeats rotate through the prompt list, so batch 1 is not one prompt); reported: median tokens/s, the median of the per-repeat ratios, and
 acceptance (rate, tau, conditional per draft position). JSON with `json=PATH`, a dated
 experiments/LOG.md entry with `log=PATH`. Function API: `run(AgainstVLLMConfig) -> dict`.
 Threads: our engine calls torch.set_num_threads; vLLM's CPU worker pins that many OpenMP threads
@@ -98,6 +98,7 @@ def _child(conn, cfg: AgainstVLLMConfig, kind: str, dtype: str, threads: int, pr
         import torch
 
         torch.set_num_threads(threads)
+        from experiments.bench_decode import batch_of
         from experiments.generate import resolve_heads
         from rollout.models.policy import load_policy
 
@@ -118,10 +119,10 @@ def _child(conn, cfg: AgainstVLLMConfig, kind: str, dtype: str, threads: int, pr
             msg = conn.recv()
             if msg[0] == "stop":
                 break
-            _, batch, k, seed, max_new = msg
+            _, batch, k, seed, max_new, offset = msg
             sp = SamplingParams(max_new_tokens=max_new, temperature=cfg.temperature, num_draft_tokens=k,
                                 draft_mode=cfg.draft_mode, ignore_eos=True, seed=seed)
-            out = engine.generate([prompts[i % len(prompts)] for i in range(batch)], sp)
+            out = engine.generate(batch_of(prompts, batch, offset), sp)
             stats = out.spec_stats() if k else SpecDecodingStats()
             conn.send(("ok", dict(tok_s=out.tokens_per_s, tokens=out.num_tokens, wall_s=out.wall_time_s,
                                   stats=asdict(stats), start_s=getattr(engine, "start_time_s", None),
@@ -148,8 +149,9 @@ class _Engine:
             raise RuntimeError(f"{self.kind} engine process failed:\n{payload}")
         return payload
 
-    def generate(self, batch: int, k: int, seed: int, max_new: int) -> dict:
-        self.conn.send(("gen", batch, k, seed, max_new))
+    def generate(self, batch: int, k: int, seed: int, max_new: int, offset: int = 0) -> dict:
+        """`batch` prompts from the list, starting at `offset` (repeats rotate through it: bench_decode.batch_of)."""
+        self.conn.send(("gen", batch, k, seed, max_new, offset))
         return self._reply()
 
     def stop(self) -> None:
@@ -197,7 +199,7 @@ def _setting(ctx, cfg: AgainstVLLMConfig, dtype: str, threads: int, prompts) -> 
                 order = list(cfg.engines)[r % len(cfg.engines):] + list(cfg.engines)[:r % len(cfg.engines)]
                 for v in order:
                     kind, k = route[v]
-                    res = engines[kind].generate(b, k, cfg.seed + r, cfg.max_new_tokens)
+                    res = engines[kind].generate(b, k, cfg.seed + r, cfg.max_new_tokens, offset=r + 1)
                     runs.setdefault((b, v), []).append(res)
                     st = SpecDecodingStats(**res["stats"])
                     acc = f"  acceptance {st.acceptance_rate:.3f} tau {st.acceptance_length:.2f}" if k else ""
