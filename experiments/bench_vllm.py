@@ -98,7 +98,6 @@ def _child(conn, cfg: AgainstVLLMConfig, kind: str, dtype: str, threads: int, pr
         import torch
 
         torch.set_num_threads(threads)
-        from experiments.bench_decode import batch_of
         from experiments.generate import resolve_heads
         from rollout.models.policy import load_policy
 
@@ -122,7 +121,7 @@ def _child(conn, cfg: AgainstVLLMConfig, kind: str, dtype: str, threads: int, pr
             _, batch, k, seed, max_new, offset = msg
             sp = SamplingParams(max_new_tokens=max_new, temperature=cfg.temperature, num_draft_tokens=k,
                                 draft_mode=cfg.draft_mode, ignore_eos=True, seed=seed)
-            out = engine.generate(batch_of(prompts, batch, offset), sp)
+            out = engine.generate([prompts[(offset + i) % len(prompts)] for i in range(batch)], sp)
             stats = out.spec_stats() if k else SpecDecodingStats()
             conn.send(("ok", dict(tok_s=out.tokens_per_s, tokens=out.num_tokens, wall_s=out.wall_time_s,
                                   stats=asdict(stats), start_s=getattr(engine, "start_time_s", None),
@@ -150,7 +149,7 @@ class _Engine:
         return payload
 
     def generate(self, batch: int, k: int, seed: int, max_new: int, offset: int = 0) -> dict:
-        """`batch` prompts from the list, starting at `offset` (repeats rotate through it: bench_decode.batch_of)."""
+        """`batch` prompts from the list, starting at `offset` (repeats rotate through it, as bench_decode's do)."""
         self.conn.send(("gen", batch, k, seed, max_new, offset))
         return self._reply()
 
