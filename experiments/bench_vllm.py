@@ -7,8 +7,9 @@ One process tree: for every setting (dtype x torch threads) the parent starts on
 engine (our torch engine, which serves plain and speculative calls; vLLM plain; vLLM speculative
 with our heads as its drafter). Children wait on a pipe, so only one engine computes at a time.
 Each repeat runs every (batch size, engine variant) once with the same prompts and seed, in an
-order rotated per repeat (the repeats rotate through the prompt list, so batch 1 is not one prompt); reported: median tokens/s, the median of the per-repeat ratios, and
-acceptance (rate, tau, conditional per draft position). JSON with `json=PATH`, a dated
+order rotated per repeat; the repeats rotate through the prompt list, so batch 1 is not one prompt.
+Reported: median tokens/s, the median of the per-repeat ratios, and acceptance (rate, tau,
+conditional per draft position). JSON with `json=PATH`, a dated
 experiments/LOG.md entry with `log=PATH`. Function API: `run(AgainstVLLMConfig) -> dict`.
 Threads: our engine calls torch.set_num_threads; vLLM's CPU worker pins that many OpenMP threads
 (VLLM_CPU_OMP_THREADS_BIND) to cores 0..t-1 and our engine's process is pinned to the next t cores
@@ -149,7 +150,8 @@ class _Engine:
         return payload
 
     def generate(self, batch: int, k: int, seed: int, max_new: int, offset: int = 0) -> dict:
-        """`batch` prompts from the list, starting at `offset` (repeats rotate through it, as bench_decode's do)."""
+        """`batch` prompts from the list, starting at `offset`: the rotation of bench_decode.batch_of, written
+        out because bench_decode imports this module (tests/test_layering.py forbids the cycle)."""
         self.conn.send(("gen", batch, k, seed, max_new, offset))
         return self._reply()
 

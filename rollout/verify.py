@@ -113,7 +113,7 @@ def rejection_sample(
     # rejected draft, or the bonus p after its last draft. Only that position is built ([B, V], not the
     # [B, k+1, V] of every position), and not normalised: the exponential race is scale-invariant.
     p_stop = target_probs[rows, num_accepted]                                     # [B, V]
-    at = num_accepted.clamp_max(k - 1)
+    at = num_accepted.clamp_max(max(k - 1, 0))    # q of a row that passed is not used (its p is the bonus)
     if k == 0:
         q_stop = torch.zeros_like(p_stop)
     elif draft_probs is None:

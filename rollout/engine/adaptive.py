@@ -33,10 +33,9 @@ bf16 turned k = 1's predicted +8% into -6%: experiments/LOG.md session 5.)
 from __future__ import annotations
 
 import math
-import statistics
 from collections import deque
 from dataclasses import dataclass
-from statistics import NormalDist
+from statistics import NormalDist, median
 
 
 @dataclass(frozen=True)
@@ -119,7 +118,7 @@ class AdaptiveK:
         logs = self.log_ratios.get((self.bucket, lo, hi))
         if a == b or not logs or len(logs) < self.min_pairs:
             return 1.0 if a == b else None
-        r = math.exp(statistics.median(logs))
+        r = math.exp(median(logs))
         return r if a < b else 1.0 / r
 
     def acceptance(self) -> list[float]:
@@ -169,7 +168,9 @@ class AdaptiveK:
         """The k of the next round; `bucket` = its batch bucket (keys the measured round times), `rows` its
         unfinished rows and `remaining` the most tokens any of them may still emit (batch_tokens)."""
         self.bucket = bucket
-        rates = [self.batch_tokens(k, rows, remaining) / self.round_cost(k) for k in range(self.k_max + 1)]
+        tokens = [self.batch_tokens(k, rows, remaining) for k in range(self.k_max + 1)]
+        costs = [self.round_cost(k) for k in range(self.k_max + 1)]
+        rates = [t / c for t, c in zip(tokens, costs)]
         best = max(range(self.k_max + 1), key=lambda k: (rates[k], -k))
         if best > 0 and rates[best] < rates[0] * (1 + self.min_gain):
             best = 0                           # near break-even: plain decoding (see min_gain)
@@ -193,8 +194,8 @@ class AdaptiveK:
                                           max(self.probe_every, math.ceil(cheap)))
         if best == 0:
             self.last_plain = self.rounds
-        choice = KChoice(self.rounds, best, reason, self.batch_tokens(best, rows, remaining), self.round_cost(best),
-                         rates[best], rates[0], tuple(round(a, 4) for a in self.acceptance()))
+        choice = KChoice(self.rounds, best, reason, tokens[best], costs[best], rates[best], rates[0],
+                         tuple(round(a, 4) for a in self.acceptance()))
         self.rounds += 1
         return choice
 
