@@ -26,39 +26,33 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
-from experiments.run_state import (CHECKPOINTS, LOGS, MONITOR_STATE, Checkpoint, latest_checkpoint, rewind_run_dir,
-                                   save_checkpoint)
-from mtp_heads.heads import MTPHeads, init_heads
+from mtp_heads.heads import MTPHeads, heads_from_flat, init_heads
+from mtp_heads.shipped import resolve_heads
 from rollout.accelerator import RolloutAccelerator
+from rollout.config_loader import config_help, packaged_config, wants_help, write_resolved
+from rollout.models.flat_weights import pack
 from rollout.models.loaders import DEFAULT_MODEL
 from rollout.ray_guard import local_ray
 from rollout.run_dir import RunLock, check_writable, read_json, read_jsonl
 from rollout.types import RolloutBatch
-from rollout.config_loader import config_help, wants_help, write_resolved
-from rollout.weights import heads_from_flat, pack
 from trainers.config import USAGE, RunConfig, load_run_config
 from trainers.grpo import GRPOTrainer, Prefetcher
-from trainers.policy import Policy, load_rl_policy
+from trainers.rl_policy import Policy, load_rl_policy
+from trainers.run_state import (CHECKPOINTS, LOGS, MONITOR_STATE, Checkpoint, latest_checkpoint, rewind_run_dir,
+                                   save_checkpoint)
 from trainers.tasks import Task, TaskSampler, score
 
 logger = logging.getLogger(__name__)
 
 CHECKPOINT_WAIT_S = 30.0   # longest a checkpoint waits for the co-trainer's in-flight work
-DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "async_rl.yaml"
+DEFAULT_CONFIG = packaged_config("async_rl")
 
 
 def _pretrained_heads(policy: Policy, cfg: RunConfig) -> MTPHeads:
-    """The heads shipped for this model (mtp_heads.shipped); for other models the cached result of
-    `mtp-rollout train-heads`, trained (and cached) first if missing."""
-    from experiments.pretrain_heads import load_or_train_default_heads
-
+    """The heads shipped for this model, or those `mtp-rollout train-heads` cached for it."""
     acc = cfg.accelerator
-    if policy.loaded is None:
-        raise ValueError(f"heads=pretrained needs a real model with a tokenizer, not {acc.model!r}; use heads=init")
-    heads, meta = load_or_train_default_heads(policy.model, policy.loaded, model_spec=acc.model,
-                                              overrides=(f"train.num_depths={acc.num_depths}",),
-                                              progress=cfg.progress)
-    logger.info("pre-trained heads: %d depths, %s loss, %d steps", meta.num_depths, meta.loss, meta.steps)
+    heads, desc = resolve_heads(policy.model, "shipped", model=acc.model, num_depths=acc.num_depths)
+    logger.info("pre-trained heads: %s", desc)
     return heads
 
 
@@ -125,17 +119,16 @@ def check_finite_config(cfg, prefix: str = "") -> None:
 
 def check_paths(cfg: RunConfig) -> None:
     """Caches the run will write into must be writable now, not after minutes of work."""
-    from experiments.pretrain_heads import default_out
-    from mtp_heads.shipped import shipped_heads_path
+    from mtp_heads.shipped import shipped_heads_path, trained_heads_path
     from rollout.models.default_model import cache_dir, needs_download
 
     acc = cfg.accelerator
     if acc.model == DEFAULT_MODEL and needs_download():
         check_writable(cache_dir(), "the model cache ($MTP_ROLLOUT_CACHE)")
-    if cfg.heads == "pretrained" and shipped_heads_path(acc.model) is None:
-        path = default_out(acc.model)
-        if not path.is_file():
-            check_writable(path.parent, "the heads cache ($MTP_ROLLOUT_CACHE/heads), where heads=pretrained saves")
+    if cfg.heads == "pretrained" and shipped_heads_path(acc.model) is None and \
+            not trained_heads_path(acc.model).is_file():
+        raise ValueError(f"heads=pretrained: the package ships no heads for {acc.model!r} and none were trained; "
+                         f"run `mtp-rollout train-heads model={acc.model}` first, or use heads=init")
 
 
 def check_lengths(cfg: RunConfig, policy: Policy) -> None:

@@ -27,14 +27,14 @@ from dataclasses import dataclass
 import ray
 import torch
 
+from mtp_heads.cotrainer import CoTrainerConfig
 from rollout.accelerator import AcceleratorConfig, RolloutAccelerator
 from rollout.config_loader import config_help, load_config, wants_help
 from rollout.fileio import atomic_write
 from rollout.monitor import MonitorConfig
 from rollout.types import SamplingParams
 from rollout.workers import WorkerConfig
-from trainers.cotrainer import CoTrainerConfig
-from trainers.policy import load_rl_policy
+from trainers.rl_policy import load_rl_policy
 
 QUESTIONS = ["What is 17 plus 25?", "Reverse the word 'rollout'.", "Name three primary colours.",
              "Write one sentence about the sea.", "What is the capital of France?",

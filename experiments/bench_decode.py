@@ -26,7 +26,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from experiments.ship_heads import cpu_name
+from experiments.common import batch_of, machine
 from rollout.engine.config import EngineConfig
 from rollout.engine.round import PHASES
 from rollout.models.decoder import CausalLM
@@ -49,7 +49,7 @@ BENCH_PROMPTS = [
 @dataclass(frozen=True)
 class BenchDecodeConfig:
     model: str = "smollm2-135m"            # named model, .gguf file or HF directory
-    heads: str = "auto"                    # heads checkpoint, 'init' or 'auto' (cached pre-trained, else init)
+    heads: str = "shipped"                 # shipped | init | a heads checkpoint path
     num_depths: int = 3                    # depths of the 'auto' heads
     k: int = 3                             # fixed k of the speculative setting (also adaptive k's maximum)
     extra_ks: list[int] = field(default_factory=list)   # more fixed-k settings, e.g. [1, 2]
@@ -79,14 +79,6 @@ def load_bench_config(argv: list[str]) -> tuple[BenchDecodeConfig, str]:
         cfg = OmegaConf.merge(base, *files, OmegaConf.from_dotlist([a for a in argv if "=" in a]))
         return BenchDecodeConfig(**OmegaConf.to_container(cfg)), OmegaConf.to_yaml(cfg)
 
-
-def machine() -> str:
-    cpu = cpu_name()
-    try:
-        load = open("/proc/loadavg").read().split()[:3]
-    except OSError:
-        load = ["?"]
-    return f"{cpu}, {torch.get_num_threads()} torch threads, torch {torch.__version__}, load average {' '.join(load)}"
 
 
 # ------------------------------------------------------------------------------ function API
@@ -141,13 +133,6 @@ def settings(cfg: BenchDecodeConfig) -> list[tuple[str, int, bool]]:
         out.append((f"adaptive<={cfg.k}", cfg.k, True))
     out += [(f"k={k}", k, False) for k in cfg.extra_ks if k != cfg.k]
     return out
-
-
-def batch_of(prompts_ids: list[list[int]], batch_size: int, offset: int) -> list[list[int]]:
-    """The prompts of one repeat: every setting of a repeat decodes the same ones, and the repeats
-    rotate through the list, so that batch 1 is not one prompt's acceptance (0.26 vs 0.40 over all
-    eight for the shipped heads at k = 1: experiments/LOG.md session 9)."""
-    return [prompts_ids[(offset + i) % len(prompts_ids)] for i in range(batch_size)]
 
 
 def bench_engine(engine: TorchEngine, prompts_ids, cfg: BenchDecodeConfig, label: str) -> list[dict]:
@@ -224,14 +209,14 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     cfg, resolved = load_bench_config(argv)
     torch.set_num_threads(cfg.threads)
-    from experiments.generate import resolve_heads
+    from mtp_heads.shipped import resolve_heads
     from rollout.models.loaders import apply_chat_template
-    from rollout.models.policy import load_policy
+    from rollout.models.loaders import load_policy
     rows = []
     for dtype in cfg.dtypes:
         name = dtype_name(dtype)
         policy, loaded = load_policy(cfg.model, name)
-        heads, heads_desc = resolve_heads(policy, cfg.model, cfg.heads, cfg.num_depths)
+        heads, heads_desc = resolve_heads(policy, cfg.heads, model=cfg.model, num_depths=cfg.num_depths)
         prompts = [apply_chat_template(loaded, [{"role": "user", "content": p}]) for p in BENCH_PROMPTS]
         print(f"{cfg.model} {name}  heads: {heads_desc}  machine: {machine()}", flush=True)
         for compiled in cfg.compile:

@@ -22,7 +22,6 @@ import datetime as dt
 import json
 import multiprocessing as mp
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -30,6 +29,7 @@ import time
 import traceback
 from dataclasses import asdict, dataclass, field
 
+from experiments.common import batch_of, cpu_name
 from rollout.models.loaders import DEFAULT_MODEL
 from rollout.types import SamplingParams, SpecDecodingStats
 
@@ -51,7 +51,7 @@ class AgainstVLLMConfig:
     """One side-by-side benchmark of our engine and vLLM (configs/bench_vllm.yaml)."""
 
     model: str = DEFAULT_MODEL          # named model, .gguf file or HF directory
-    heads: str = "auto"                 # heads checkpoint path, 'init' (untrained) or 'auto' (default heads)
+    heads: str = "shipped"              # shipped | init | a heads checkpoint path
     num_depths: int = 1                 # depths of 'auto' / 'init' heads (vLLM drafts with depth 1 only)
     k: int = 3                          # draft tokens per round of the speculative variants
     draft_mode: str = "rejection"       # greedy | rejection
@@ -99,11 +99,11 @@ def _child(conn, cfg: AgainstVLLMConfig, kind: str, dtype: str, threads: int, pr
         import torch
 
         torch.set_num_threads(threads)
-        from experiments.generate import resolve_heads
-        from rollout.models.policy import load_policy
+        from mtp_heads.shipped import resolve_heads
+        from rollout.models.loaders import load_policy
 
         policy, _ = load_policy(cfg.model, dtype)
-        heads, heads_desc = resolve_heads(policy, cfg.model, cfg.heads, cfg.num_depths)
+        heads, heads_desc = resolve_heads(policy, cfg.heads, model=cfg.model, num_depths=cfg.num_depths)
         policy, heads = policy.to(cfg.device), heads.to(cfg.device)
         t0 = time.perf_counter()
         if kind == "torch":
@@ -122,7 +122,7 @@ def _child(conn, cfg: AgainstVLLMConfig, kind: str, dtype: str, threads: int, pr
             _, batch, k, seed, max_new, offset = msg
             sp = SamplingParams(max_new_tokens=max_new, temperature=cfg.temperature, num_draft_tokens=k,
                                 draft_mode=cfg.draft_mode, ignore_eos=True, seed=seed)
-            out = engine.generate([prompts[(offset + i) % len(prompts)] for i in range(batch)], sp)
+            out = engine.generate(batch_of(prompts, batch, offset), sp)
             stats = out.spec_stats() if k else SpecDecodingStats()
             conn.send(("ok", dict(tok_s=out.tokens_per_s, tokens=out.num_tokens, wall_s=out.wall_time_s,
                                   stats=asdict(stats), start_s=getattr(engine, "start_time_s", None),
@@ -150,8 +150,7 @@ class _Engine:
         return payload
 
     def generate(self, batch: int, k: int, seed: int, max_new: int, offset: int = 0) -> dict:
-        """`batch` prompts from the list, starting at `offset`: the rotation of bench_decode.batch_of, written
-        out because bench_decode imports this module (tests/test_layering.py forbids the cycle)."""
+        """`batch` prompts from the list, starting at `offset` (experiments.common.batch_of)."""
         self.conn.send(("gen", batch, k, seed, max_new, offset))
         return self._reply()
 
@@ -232,7 +231,8 @@ def run(cfg: AgainstVLLMConfig) -> dict:
     """Every (dtype, threads) setting in turn; returns {"config", "machine", "settings": [...]}."""
     ctx = mp.get_context("spawn")
     prompts = _chat_prompts(cfg)
-    out = dict(config=asdict(cfg), machine=_machine(), started=dt.datetime.now(dt.timezone.utc).isoformat(),
+    out = dict(config=asdict(cfg), machine=f"{cpu_name()}, {os.cpu_count()} logical CPUs",
+               started=dt.datetime.now(dt.timezone.utc).isoformat(),
                settings=[])
     for dtype in cfg.dtypes:
         for threads in cfg.threads:
@@ -241,14 +241,6 @@ def run(cfg: AgainstVLLMConfig) -> dict:
             out["settings"].append(s)
             print(_table(s), flush=True)
     return out
-
-
-def _machine() -> str:
-    try:
-        cpu = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
-    except (OSError, StopIteration):
-        cpu = platform.processor() or platform.machine()
-    return f"{cpu}, {os.cpu_count()} logical CPUs"
 
 
 def _table(s: dict) -> str:

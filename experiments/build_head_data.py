@@ -26,7 +26,7 @@ from mtp_heads.data.sharegpt import ChatEncoder, load_conversations, split_conve
 from mtp_heads.data.token_store import StoreWriter, TokenStore
 from rollout.config_loader import config_help, load_config, wants_help
 from rollout.models.default_model import cache_dir
-from rollout.models.policy import load_policy
+from rollout.models.loaders import load_policy
 
 HELDOUT_SALT = "heldout-v1"
 

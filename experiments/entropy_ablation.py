@@ -23,23 +23,23 @@ from __future__ import annotations
 
 import json
 import math
-import shutil
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
 
-from mtp_heads.distill import check_objective
-from rollout.config_loader import preset_main, write_resolved
-from rollout.fileio import atomic_write
-from rollout.monitor.monitor import AcceptanceMonitor
-from rollout.monitor.plots import plot_ablation
-from rollout.monitor.records import as_float, json_safe, records_csv
-from rollout.monitor.sweep import check_draft_modes
-from rollout.run_dir import RunLock, read_jsonl
+import numpy as np
 
-CONFIGS = Path(__file__).resolve().parents[1] / "configs"
-DEFAULT_CONFIG = CONFIGS / "ablation.yaml"
+from experiments.common import copy_results, finish_mode_panel, fmt_num, mode_panels, run_cell, summarize_run
+from mtp_heads.distill import check_objective
+from rollout.config_loader import packaged_config, preset_main, write_resolved
+from rollout.fileio import atomic_write
+from rollout.monitor.plots import column, save_png
+from rollout.monitor.records import fit_from_dict, json_safe, records_csv
+from rollout.run_dir import RunLock
+from rollout.types import check_draft_modes
+
+DEFAULT_CONFIG = packaged_config("ablation")
 RESULTS = ("ablation.json", "ablation.csv", "ablation.md", "ablation.png")
 PLAIN = "plain"
 
@@ -75,10 +75,6 @@ class AblationConfig:
                 raise ValueError(f"{key} entries must be key=value overrides, got {bad}")
 
 
-def preset(name: str) -> str:
-    """configs/<name>.yaml for a bare name, else the path as given."""
-    return str(CONFIGS / f"{name}.yaml") if "/" not in name and not name.endswith(".yaml") else name
-
 
 # ----------------------------------------------------------------------------------- the grid
 
@@ -92,29 +88,11 @@ def train_objective_heads(cfg: AblationConfig, objective: str, out: Path) -> Pat
         return path                                    # finished earlier
     path.parent.mkdir(parents=True, exist_ok=True)
     phase = f"train.phases=[{{objective: {objective}, steps: {cfg.head_steps}, lr: {cfg.head_lr}}}]"
-    argv = [preset(cfg.heads_config), *cfg.heads, phase, f"out={path}", f"progress={str(cfg.progress).lower()}"]
+    argv = [str(packaged_config(cfg.heads_config)), *cfg.heads, phase, f"out={path}", f"progress={str(cfg.progress).lower()}"]
     if path.is_file():
         argv.append("resume=true")                     # interrupted: continue from its checkpoint
     pretrain_heads.main(argv)
     return path
-
-
-def run_cell(cfg: AblationConfig, name: str, overrides: list[str], out: Path) -> Path:
-    """One RL run directory under runs/<name>; resumed if it stopped early, reused if complete."""
-    from experiments import async_rl
-    from trainers.config import load_run_config
-
-    run_dir = out / "runs" / name
-    argv = [preset(cfg.rl_config), *cfg.rl, *overrides, f"out_dir={run_dir}", f"progress={str(cfg.progress).lower()}"]
-    run_cfg, _ = load_run_config(argv)
-    done = len(read_jsonl(run_dir / "rl.jsonl")) if (run_dir / "rl.jsonl").is_file() else 0
-    if done >= run_cfg.steps:
-        return run_dir
-    if async_rl.holds_run(run_dir):
-        argv.append("resume=true")
-    run_cfg, resolved = load_run_config(argv)
-    async_rl.run(run_cfg, resolved)
-    return run_dir
 
 
 def cell_overrides(objective: str, mode: str, heads_path: Path) -> list[str]:
@@ -126,46 +104,6 @@ PLAIN_OVERRIDES = ["heads=init", "sampling.num_draft_tokens=0", "accelerator.cot
 
 
 # ----------------------------------------------------------------------------------- results
-
-
-def _fit(d: dict | None) -> dict:
-    d = d or {}
-    fit = {k: as_float(d.get(k)) for k in ("slope", "intercept", "r2", "ci_low", "ci_high")}   # None (JSON NaN) -> nan
-    return {**fit, "n": int(d.get("n") or 0)}
-
-
-def summarize_group(steps: list[dict]) -> dict:
-    """Run-level numbers of one group (the whole batch or one domain) from its per-step blocks."""
-    drafted = sum(s.get("num_draft_tokens", 0) for s in steps)
-    accepted = sum(s.get("num_accepted_tokens", 0) for s in steps)
-    rounds = sum(s.get("num_drafts", 0) for s in steps)
-    entropy = [as_float(s.get("entropy_drafted")) for s in steps]
-    last = steps[-1] if steps else {}
-    return {"acceptance_rate": accepted / drafted if drafted else math.nan,
-            "acceptance_length": (accepted + rounds) / rounds if rounds else math.nan,
-            "entropy_first": entropy[0] if entropy else math.nan,
-            "entropy_last": entropy[-1] if entropy else math.nan,
-            "slope_step": _fit(last.get("slope_step_run")),
-            "slope_position": _fit(last.get("slope_position_cum"))}
-
-
-def summarize_run(run_dir: Path, records: list[dict] | None = None) -> dict:
-    """One cell's record: its monitor's steps and rl.jsonl's rollout times and rewards (`records`: the run's
-    monitor records when the caller has read them already)."""
-    records = AcceptanceMonitor.load_records(run_dir) if records is None else records
-    steps = [r for r in records if "event" not in r]
-    rl = read_jsonl(run_dir / "rl.jsonl")
-    tokens = sum(s.get("num_tokens", 0) for s in steps)
-    rollout_s = sum(r["rollout_s"] for r in rl)
-    domains = sorted({d for s in steps for d in s.get("domains", {})})
-    return {"steps": len(steps), "tokens": tokens, "rollout_s": rollout_s,
-            "rollout_tok_s": tokens / rollout_s if rollout_s else math.nan,
-            "reward_first": rl[0]["reward"] if rl else math.nan, "reward_last": rl[-1]["reward"] if rl else math.nan,
-            "refreshes": sum(1 for r in records if r.get("event") == "head_refresh"),
-            **summarize_group(steps),
-            "domains": {d: summarize_group([s["domains"][d] for s in steps if d in s.get("domains", {})])
-                        for d in domains},
-            "points": [{"entropy": s.get("entropy_drafted"), "acceptance": s.get("acceptance_rate")} for s in steps]}
 
 
 def heads_heldout(heads_path: Path, mode: str) -> dict:
@@ -190,10 +128,6 @@ def _ci(f: dict) -> str:
     if not math.isfinite(f["slope"]):
         return "n/a"
     return f"{f['slope']:+.3f} [{f['ci_low']:+.3f}, {f['ci_high']:+.3f}]"
-
-
-def fmt_num(x, spec: str = ".3f") -> str:
-    return format(x, spec) if isinstance(x, (int, float)) and math.isfinite(x) else "n/a"
 
 
 def tables(records: list[dict]) -> str:
@@ -222,13 +156,28 @@ def _flat(r: dict) -> dict:
     return {k: v for k, v in r.items() if k not in ("domains", "points", "heads_heldout")}
 
 
-def copy_results(out: Path, names: tuple[str, ...], results_dir: str) -> None:
-    """Copy a study's result files from out to results_dir ("" = nowhere), e.g. experiments/results/<study>/."""
-    if results_dir:
-        dst = Path(results_dir)
-        dst.mkdir(parents=True, exist_ok=True)
-        for name in names:
-            shutil.copyfile(out / name, dst / name)
+def plot_ablation(path: Path, records: list[dict]) -> None:
+    """The ablation's figure: one panel per draft mode, one colour per head objective; each RL
+    step is a point (mean entropy at reached draft positions, acceptance rate), with the cell's
+    across-step slope and its 95% interval in the legend."""
+    modes = list(dict.fromkeys(r["draft_mode"] for r in records))
+    objectives = list(dict.fromkeys(r["objective"] for r in records))
+    fig, axes = mode_panels(len(modes))
+    colors = {o: f"C{i % 10}" for i, o in enumerate(objectives)}
+    for ax, mode in zip(axes[0], modes):
+        for r in (r for r in records if r["draft_mode"] == mode):
+            x, y = column(r["points"], "entropy"), column(r["points"], "acceptance")
+            ok = np.isfinite(x) & np.isfinite(y)
+            fit = fit_from_dict(r.get("slope_step"))
+            label = (f"{r['objective']}: {fit.slope:+.3f}/nat [{fit.ci_low:+.3f}, {fit.ci_high:+.3f}]"
+                     if math.isfinite(fit.slope) else f"{r['objective']}: slope n/a")
+            ax.plot(x[ok], y[ok], "o", color=colors[r["objective"]], alpha=0.7, label=label)
+            if ok.sum() >= 2 and math.isfinite(fit.slope):      # the fitted line through the points' centroid
+                xs = np.linspace(x[ok].min(), x[ok].max(), 20)
+                ax.plot(xs, y[ok].mean() + fit.slope * (xs - x[ok].mean()), color=colors[r["objective"]])
+        finish_mode_panel(ax, mode, "mean entropy H(p) at reached draft positions (nats), per RL step",
+                           "objective: slope per step, 95% CI")
+    save_png(fig, path)
 
 
 def write_results(out: Path, records: list[dict], results_dir: str) -> None:

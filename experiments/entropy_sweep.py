@@ -7,7 +7,7 @@ sampling temperature scanned so that entropy moves: each cell's curve in minutes
     mtp-rollout sweep --help                                   # every key, its default and meaning
 
 Cells are draft_modes x heads files; every cell decodes the same held-out chat prompts at every
-temperature with a fixed k (the measurement is rollout.monitor.sweep). Written into out_dir (which
+temperature with a fixed k (the measurement is experiments/sweep_measure.py). Written into out_dir (which
 must be empty unless overwrite=true): config.yaml, sweep.jsonl (one record per cell and temperature),
 sweep.csv (the same records, flat columns), sweep.md (the tables) and sweep.png (a panel per draft
 mode, a line per heads file). CSV, tables and figure are rewritten after each cell.
@@ -24,20 +24,21 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from experiments.common import finish_mode_panel, mode_panels
 from experiments.heads_data import prompt_texts
+from experiments.sweep_measure import SweepSettings, add_cell_slopes, check_temperatures, decode_at, temperature_record
 from mtp_heads.checkpoint import load_heads
 from mtp_heads.shipped import load_shipped_heads, shipped_heads_path
-from rollout.config_loader import preset_main, write_resolved
+from rollout.config_loader import packaged_config, preset_main, write_resolved
 from rollout.fileio import atomic_write
-from rollout.monitor.plots import plot_sweep
-from rollout.monitor.records import json_safe, records_csv
-from rollout.monitor.sweep import (SweepSettings, add_cell_slopes, check_draft_modes, check_temperatures, decode_at,
-                                   temperature_record)
+from rollout.monitor.plots import column, save_png
+from rollout.monitor.records import fit_from_dict, json_safe, records_csv
 from rollout.run_dir import LOCK_NAME, RunLock
 from rollout.torch_engine import TorchEngine
-from trainers.policy import load_rl_policy
+from rollout.types import check_draft_modes
+from trainers.rl_policy import load_rl_policy
 
-DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "sweep.yaml"
+DEFAULT_CONFIG = packaged_config("sweep")
 FILES = ("sweep.jsonl", "sweep.csv", "sweep.md", "sweep.png")
 
 
@@ -143,6 +144,34 @@ def tables(records: list[dict], cfg: SweepConfig) -> str:
     return "\n".join(lines) + "\n"
 
 
+def plot_sweep(path: Path, records: list[dict]) -> None:
+    """One panel per draft mode, one line per heads file: acceptance rate against mean entropy at
+    the reached draft positions, one point per temperature (labelled), the cell's slope over
+    temperatures with its 95% interval in the legend."""
+    modes = list(dict.fromkeys(r["draft_mode"] for r in records))
+    heads = list(dict.fromkeys(r["head"] for r in records))
+    fig, axes = mode_panels(len(modes))
+    colors = {h: f"C{i % 10}" for i, h in enumerate(heads)}
+    for ax, mode in zip(axes[0], modes):
+        for head in heads:
+            cell = sorted((r for r in records if r["draft_mode"] == mode and r["head"] == head),
+                          key=lambda r: r["temperature"])
+            if not cell:
+                continue
+            x, y = column(cell, "entropy_drafted"), column(cell, "acceptance_rate")
+            fit = fit_from_dict(cell[0].get("slope_temperature"))
+            label = (f"{head}: {fit.slope:+.3f}/nat [{fit.ci_low:+.3f}, {fit.ci_high:+.3f}]"
+                     if math.isfinite(fit.slope) else f"{head}: slope n/a (< 3 temperatures)")
+            ax.plot(x, y, "o-", color=colors[head], label=label)
+            for r, xi, yi in zip(cell, x, y):
+                if math.isfinite(xi) and math.isfinite(yi):
+                    ax.annotate(f"T={r['temperature']:g}", (xi, yi), textcoords="offset points", xytext=(3, 4),
+                                fontsize=6, color=colors[head])
+        finish_mode_panel(ax, mode, "mean entropy H(p) at reached draft positions (nats)",
+                           "heads: slope over temperatures, 95% CI")
+    save_png(fig, path)
+
+
 def write_outputs(out: Path, records: list[dict], cfg: SweepConfig) -> None:
     atomic_write(out / "sweep.csv", records_csv(records))
     atomic_write(out / "sweep.md", tables(records, cfg))
@@ -155,7 +184,7 @@ def run(cfg: SweepConfig, resolved: str) -> list[dict]:
         check_out_dir(out, cfg.overwrite)
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
-        policy = load_rl_policy(cfg.model)
+        policy = load_rl_policy(cfg.model, "float32")
         head_files = load_head_files(policy.model, cfg)
         prompts = [policy.codec.encode_prompt(t) for t in prompt_texts(cfg.prompts, held_out=True)]
         settings, temps = cfg.settings(), check_temperatures(cfg.temperatures)

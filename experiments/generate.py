@@ -10,11 +10,8 @@ import sys
 import torch
 from tqdm import tqdm
 
-from mtp_heads.heads import MTPHeads, init_heads
-from mtp_heads.pretrain import TrainConfig
-from rollout.models.decoder import CausalLM
-from rollout.models.loaders import DEFAULT_MODEL, apply_chat_template
-from rollout.models.policy import load_policy
+from mtp_heads.shipped import resolve_heads
+from rollout.models.loaders import DEFAULT_MODEL, apply_chat_template, load_policy
 from rollout.torch_engine import TorchEngine
 from rollout.types import DRAFT_MODES, SamplingParams
 
@@ -26,28 +23,12 @@ DEFAULT_PROMPTS = [
 ]
 
 
-def resolve_heads(policy: CausalLM, model: str, spec: str, num_depths: int) -> tuple[MTPHeads, str]:
-    """spec: a checkpoint path, 'init' (copy of the policy's last layer), or 'auto' (the heads
-    shipped for this model, else the cached result of `mtp-rollout train-heads`, else 'init')."""
-    from experiments.pretrain_heads import default_out
-    from mtp_heads.checkpoint import load_heads
-    from mtp_heads.shipped import shipped_heads_path
-
-    if spec == "auto":
-        path = shipped_heads_path(model) or default_out(model)
-        spec = str(path) if path.is_file() else "init"
-    if spec == "init":
-        return init_heads(policy, num_depths), "init (untrained: expect low acceptance)"
-    heads, meta = load_heads(spec, policy)
-    return heads, f"{spec} ({meta.loss} loss, {meta.steps} steps)"
-
-
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="mtp-rollout generate", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=DEFAULT_MODEL, help="named model, .gguf file or HF directory")
-    ap.add_argument("--heads", default="auto", help="heads checkpoint, 'init' or 'auto' (default)")
-    ap.add_argument("--num-depths", type=int, default=TrainConfig.num_depths, help="depths of the 'auto' heads")
+    ap.add_argument("--heads", default="shipped", help="shipped (default) | init | a heads checkpoint path")
+    ap.add_argument("--num-depths", type=int, default=None, help="depths of heads=init (default 1)")
     ap.add_argument("--prompt", action="append", help="user message (repeatable); default: four demo prompts")
     ap.add_argument("--k", type=int, default=3, help="draft tokens per round (0 = plain decoding)")
     ap.add_argument("--draft-mode", choices=DRAFT_MODES, default="rejection")
@@ -69,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
         raise ValueError(f"--{str(e).replace('_', '-').replace('num-draft-tokens (k)', 'k')}") from None
     torch.set_num_threads(max(1, torch.get_num_threads()))
     policy, loaded = load_policy(args.model, args.dtype)
-    heads, heads_desc = resolve_heads(policy, args.model, args.heads, args.num_depths)
+    heads, heads_desc = resolve_heads(policy, args.heads, model=args.model, num_depths=args.num_depths)
     engine = TorchEngine(policy, heads if args.k > 0 else None)
     print(f"model: {args.model} ({loaded.config.num_hidden_layers} layers, d={loaded.config.hidden_size})  "
           f"heads: {heads_desc}  k={args.k} {args.draft_mode}")

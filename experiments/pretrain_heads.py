@@ -28,19 +28,17 @@ from pathlib import Path
 import torch
 
 from experiments.heads_data import GenerateConfig
-from mtp_heads.checkpoint import HeadMeta, default_heads_path, load_heads, read_meta
+from mtp_heads.checkpoint import read_meta
 from mtp_heads.evaluate import EvalSet, format_acceptance, teacher_forced_acceptance
 from mtp_heads.heads import MTPHeads
 from mtp_heads.pretrain import SHIPPED_INIT, TrainConfig, train_heads
-from mtp_heads.shipped import load_shipped_heads, shipped_heads_path
+from mtp_heads.shipped import shipped_heads_path, trained_heads_path
 from mtp_heads.token_data import draft_vocab_from_counts, trained_token_counts
-from rollout.config_loader import config_help, load_config, wants_help
+from rollout.config_loader import CONFIGS_DIR, config_help, load_config, packaged_config, wants_help
 from rollout.fileio import atomic_write
 from rollout.models.default_model import cache_dir
 from rollout.run_dir import check_writable
 
-CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
-DEFAULT_PRESET = "train_heads"          # for policies without shipped heads (self-generated data)
 
 
 @dataclass(frozen=True)
@@ -84,21 +82,12 @@ class TrainHeadsConfig:
     eval: EvalConfig = field(default_factory=EvalConfig)
 
 
-def preset_path(name: str) -> Path:
-    return CONFIG_DIR / f"{name}.yaml"
-
-
 def load_train_heads_config(argv: list[str]) -> tuple[TrainHeadsConfig, str]:
     """argv[0] may name a preset in configs/ ("heads_smollm2"); the rest are YAML files and overrides."""
     argv = list(argv)
-    if argv and "=" not in argv[0] and not Path(argv[0]).is_file() and preset_path(argv[0]).is_file():
-        argv[0] = str(preset_path(argv[0]))
+    if argv and "=" not in argv[0] and not Path(argv[0]).is_file() and (CONFIGS_DIR / f"{argv[0]}.yaml").is_file():
+        argv[0] = str(packaged_config(argv[0]))
     return load_config(TrainHeadsConfig, argv)
-
-
-def default_out(model: str) -> Path:
-    """$MTP_ROLLOUT_CACHE/heads/<model>-D1-trained.safetensors: where trained-on-first-use heads are cached."""
-    return default_heads_path(model, 1, "trained")
 
 
 class FirstN:
@@ -183,20 +172,18 @@ def run(cfg: TrainHeadsConfig, resolved: str = "", policy=None, loaded=None) -> 
         torch.set_num_threads(cfg.threads)
     cfg = with_shipped_init(cfg)
     t0 = time.perf_counter()
-    out = Path(cfg.out).expanduser() if cfg.out else default_out(cfg.model)
+    out = Path(cfg.out).expanduser() if cfg.out else trained_heads_path(cfg.model)
     check_writable(out.parent, "out directory")     # before the model, the data and minutes of training
     check_writable(cache_dir(), "the cache ($MTP_ROLLOUT_CACHE), where evaluation sets and generated data are kept")
     encode = None                              # task text -> prompt ids, needed only to generate data
     if policy is None:
-        from trainers.policy import BUILTIN_POLICIES, load_rl_policy
+        from trainers.rl_policy import BUILTIN_POLICIES, load_rl_policy
         if cfg.model in BUILTIN_POLICIES:      # the tiny test model: its prompts are bytes
-            rl = load_rl_policy(cfg.model)
+            rl = load_rl_policy(cfg.model, "float32")
             policy, encode = rl.model, rl.codec.encode_prompt
         else:
-            from rollout.models.decoder import build_model
-            from rollout.models.loaders import load_model
-            loaded = load_model(cfg.model)
-            policy = build_model(loaded.config, loaded.state_dict)
+            from rollout.models.loaders import load_policy
+            policy, loaded = load_policy(cfg.model, "float32")
     if encode is None:
         from trainers.codec import ChatCodec
 
@@ -254,7 +241,7 @@ def run(cfg: TrainHeadsConfig, resolved: str = "", policy=None, loaded=None) -> 
     result = train_heads(policy, train, cfg.train, draft_vocab=vocab, checkpoint=out, resume=cfg.resume,
                          meta_defaults=meta, progress=cfg.progress, on_eval=on_eval, eval_at_start=ev.at_start)
     train_s = time.perf_counter() - t_train
-    from experiments.ship_heads import cpu_name
+    from experiments.common import cpu_name
     report = {"config": resolved, "out": str(out), "data": data_desc, "threads": torch.get_num_threads(),
               "machine": f"{os.cpu_count()} cores of {cpu_name()}",
               "steps": result.steps, "losses": result.losses, "history": result.history,
@@ -289,24 +276,6 @@ def engine_report(policy, encode, heads, ev: EvalConfig, temperature: float) -> 
         out["speedup"] = decode_speedup(policy, heads, prompts[:ev.speedup_prompts], k=ev.steps,
                                         temperature=temperature, max_new_tokens=ev.engine_new_tokens)
     return out
-
-
-def load_or_train_default_heads(policy, loaded, *, model_spec: str = "smollm2-135m", preset: str = DEFAULT_PRESET,
-                                overrides: tuple[str, ...] = (), progress: bool = True) -> tuple[MTPHeads, HeadMeta]:
-    """The shipped heads for this model (mtp_heads.shipped) when the package has them; otherwise the
-    cached result of `train-heads <preset> model=<spec>`, trained (and cached) first if missing."""
-    shipped = load_shipped_heads(policy, model_spec)
-    if shipped is not None:
-        return shipped
-    cfg, resolved = load_train_heads_config([preset, f"model={model_spec}", f"progress={progress}", *overrides])
-    out = Path(cfg.out) if cfg.out else default_out(model_spec)
-    if out.is_file():
-        try:
-            return load_heads(out, policy)
-        except ValueError:
-            pass       # trained for another architecture behind this spec: retrain
-    run(dataclasses.replace(cfg, resume=False, out=str(out)), resolved, policy, loaded)
-    return load_heads(out, policy)
 
 
 def main(argv: list[str] | None = None) -> dict | None:

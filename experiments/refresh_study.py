@@ -21,16 +21,17 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from experiments.entropy_ablation import copy_results, fmt_num, run_cell, summarize_run
-from rollout.config_loader import preset_main, write_resolved
+import numpy as np
+
+from experiments.common import copy_results, fmt_num, run_cell, summarize_run
+from rollout.config_loader import packaged_config, preset_main, write_resolved
 from rollout.fileio import atomic_write
 from rollout.monitor.monitor import AcceptanceMonitor
-from rollout.monitor.plots import plot_refresh_study
-from rollout.monitor.records import json_safe, records_csv
+from rollout.monitor.plots import column, new_figure, save_png
+from rollout.monitor.records import as_float, json_safe, records_csv
 from rollout.run_dir import RunLock
 
-CONFIGS = Path(__file__).resolve().parents[1] / "configs"
-DEFAULT_CONFIG = CONFIGS / "refresh_study.yaml"
+DEFAULT_CONFIG = packaged_config("refresh_study")
 RESULTS = ("refresh.json", "refresh.csv", "refresh.md", "refresh.png")
 
 
@@ -57,7 +58,7 @@ class RefreshStudyConfig:
 
 
 def summarize_schedule(name: str, run_dir: Path) -> dict:
-    """A run's summary (experiments.entropy_ablation.summarize_run) plus the co-trainer's cost."""
+    """A run's summary (experiments.common.summarize_run) plus the co-trainer's cost."""
     records = AcceptanceMonitor.load_records(run_dir)
     refreshes = [r for r in records if r.get("event") == "head_refresh"]
     steps = [r for r in records if "event" not in r]
@@ -85,6 +86,33 @@ def table(records: list[dict]) -> str:
                      f"{fmt_num(acc[-1] if acc else math.nan)} | {fmt_num(r['entropy_first'])} -> "
                      f"{fmt_num(r['entropy_last'])} |")
     return "\n".join(lines) + "\n"
+
+
+def plot_refresh_study(path: Path, records: list[dict]) -> None:
+    """The refresh-schedule study's figure: acceptance rate and mean entropy per RL step, a line per
+    schedule, each refresh marked with a triangle on its schedule's line; the legend gives each
+    schedule's refreshes and co-trainer training seconds."""
+    fig, axes = new_figure(2, 1, (10, 7), dict(left=0.08, right=0.98, bottom=0.07, top=0.97, hspace=0.08),
+                            sharex=True)
+    ax_acc, ax_ent = axes[:, 0]
+    for i, r in enumerate(records):
+        color = f"C{i % 10}"
+        steps, acc = column(r["per_step"], "step"), column(r["per_step"], "acceptance_rate")
+        label = (f"{r['schedule']}: {len(r['refresh_steps'])} refreshes, "
+                 f"{as_float(r['cotrainer_train_s']):.0f} s co-trainer training")
+        ax_acc.plot(steps, acc, "o-", ms=3, color=color, label=label)
+        hit = np.isin(steps, np.asarray(r["refresh_steps"], dtype=np.float64))
+        ax_acc.plot(steps[hit], acc[hit], "^", ms=8, color=color)
+        ax_ent.plot(steps, column(r["per_step"], "entropy"), "o-", ms=3, color=color, label=r["schedule"])
+    ax_acc.set(ylabel="acceptance rate (accepted / proposed)")
+    ax_ent.set(ylabel="mean entropy at drafted positions (nats)", xlabel="RL step")
+    from matplotlib.ticker import MaxNLocator
+    ax_ent.xaxis.set_major_locator(MaxNLocator(integer=True))
+    for ax in (ax_acc, ax_ent):
+        ax.grid(alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=7, loc="best")
+    save_png(fig, path)
 
 
 def write_results(out: Path, records: list[dict], results_dir: str) -> None:

@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import subprocess
 from dataclasses import replace
 from pathlib import Path
 
 import torch
 
+from experiments.common import cpu_name
 from mtp_heads.checkpoint import load_heads, read_meta, save_heads
 from mtp_heads.shipped import SHIPPED, SHIPPED_DIR
 
@@ -91,14 +91,6 @@ def model_card(report: dict, meta, model: str, command: str, wall_s: float | Non
     return "\n".join(lines)
 
 
-def cpu_name() -> str:
-    """The CPU model of this machine, for the card's throughput line."""
-    try:
-        return next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
-    except (OSError, StopIteration):
-        return platform.processor() or "unknown CPU"
-
-
 def _seed(cfg_yaml: str) -> str:
     for line in cfg_yaml.splitlines():
         if line.strip().startswith("seed:"):
@@ -113,10 +105,8 @@ def main(argv: list[str] | None = None) -> Path:
     ap.add_argument("--command", default="mtp-rollout train-heads heads_smollm2")
     ap.add_argument("--wall-s", type=float, default=None, help="wall time of the whole run (resumes included)")
     a = ap.parse_args(argv)
-    from rollout.models.decoder import build_model
-    from rollout.models.loaders import load_model
-    loaded = load_model(a.model)
-    policy = build_model(loaded.config, loaded.state_dict)
+    from rollout.models.loaders import load_policy
+    policy, _ = load_policy(a.model, "float32")
     heads, meta = load_heads(a.checkpoint, policy)
     report = json.loads(Path(a.checkpoint).with_suffix(".run.json").read_text())
     target = SHIPPED_DIR / SHIPPED[a.model]

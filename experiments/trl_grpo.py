@@ -27,11 +27,12 @@ import ray
 import torch
 
 from mtp_heads.heads import MTPHeads, init_heads
+from mtp_heads.shipped import resolve_heads
 from rollout.accelerator import AcceleratorConfig, RolloutAccelerator
-from rollout.config_loader import config_help, load_config, wants_help, write_resolved
-from rollout.models.decoder import CausalLM, build_model
+from rollout.config_loader import config_help, load_config, packaged_config, wants_help, write_resolved
+from rollout.models.decoder import CausalLM
 from rollout.models.default_model import cache_dir
-from rollout.models.loaders import LoadedModel, export_hf_dir, load_model
+from rollout.models.loaders import LoadedModel, export_hf_dir, load_policy
 from rollout.monitor import AcceptanceMonitor
 from rollout.types import DRAFT_MODES
 from trainers.config import run_dir_accelerator
@@ -39,7 +40,7 @@ from trainers.tasks import Task, TaskConfig, TaskSampler, score
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "trl_grpo.yaml"
+DEFAULT_CONFIG = packaged_config("trl_grpo")
 USAGE = "usage: python -m experiments.trl_grpo [configs/trl_grpo.yaml] [key=value ...]"
 
 
@@ -107,9 +108,7 @@ def make_heads(cfg: TRLRunConfig, policy: CausalLM, loaded: LoadedModel) -> MTPH
         return init_heads(policy, acc.num_depths, seed=cfg.seed)
     if cfg.heads == "path":
         return None                                       # the accelerator loads accelerator.heads_path
-    from experiments.pretrain_heads import load_or_train_default_heads   # shipped heads first, else trained once
-    return load_or_train_default_heads(policy, loaded, model_spec=acc.model,
-                                       overrides=(f"train.num_depths={acc.num_depths}",))[0]
+    return resolve_heads(policy, "shipped", model=acc.model, num_depths=acc.num_depths)[0]
 
 
 def freeze_all_but_last(model: torch.nn.Module, n_layers: int) -> list[str]:
@@ -221,8 +220,7 @@ def run(cfg: TRLRunConfig, resolved: str) -> list[dict]:
     torch.manual_seed(cfg.seed)
     torch.set_num_threads(cfg.trainer_threads)
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
-    loaded = load_model(cfg.accelerator.model)
-    policy = build_model(loaded.config, loaded.state_dict, torch.float32)
+    policy, loaded = load_policy(cfg.accelerator.model, "float32")
     hf_dir = hf_export(cfg, loaded)
     heads = make_heads(cfg, policy, loaded)
     owns_ray = not ray.is_initialized()

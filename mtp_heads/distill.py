@@ -1,6 +1,6 @@
 """The distillation core: one batch layout, one mask rule, one draft-vocabulary map, one objective registry.
 
-Head pre-training (mtp_heads.pretrain) and the co-trainer (trainers.cotrainer) both train through
+Head pre-training (mtp_heads.pretrain) and the co-trainer (mtp_heads.cotrainer) both train through
 `distill_loss`, so a refresh optimises exactly what pre-training and drafting use:
 
 * layout   `DistillBatch`: right-padded tokens [B, T], the policy's final-norm states [B, T, d]

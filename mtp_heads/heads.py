@@ -20,7 +20,9 @@ from torch import nn
 
 from rollout.models.config import ModelConfig
 from rollout.models.decoder import Cache, CausalLM, DecoderLayer, RMSNorm, new_kv_cache
+from rollout.models.dtypes import parse_dtype
 from rollout.models.fast_linear import Linear, linear
+from rollout.models.flat_weights import FlatWeights, unpack
 
 
 class MTPDepth(nn.Module):
@@ -208,3 +210,12 @@ def grow_layers(heads: MTPHeads, policy: CausalLM, num_layers: int) -> MTPHeads:
             block.load_state_dict(policy.model.layers[-1].state_dict())
             zero_residual_branches(block)
     return grown
+
+
+def heads_from_flat(policy_config: ModelConfig, num_depths: int, flat: FlatWeights, dtype: str = "float32",
+                    device: str = "cpu") -> MTPHeads:
+    """MTPHeads for `policy_config` holding the shipped weights."""
+    state = unpack(flat)
+    heads = MTPHeads(policy_config, num_depths, layers_in_state_dict(state))
+    heads.load_state_dict(state)
+    return heads.to(device=device, dtype=parse_dtype(dtype))

@@ -1,19 +1,23 @@
-"""The draft heads shipped inside the package, per default model: no training on first use.
+"""Where draft heads come from: the one place a `heads` setting is turned into heads.
 
-mtp_heads/default_heads/<model>.safetensors (bf16, with a model card <model>.md beside it) is
-made by `mtp-rollout train-heads heads_smollm2` (configs/heads_smollm2.yaml); load it with
-`load_shipped_heads(policy, "smollm2-135m")`. Other policies get heads through the same preset
-machinery (experiments.pretrain_heads.load_or_train_default_heads), trained on first use.
+    heads, desc = resolve_heads(policy, "shipped", model="smollm2-135m")   # or "init", or a file
+
+`shipped`: mtp_heads/default_heads/<model>.safetensors (bf16, with a model card <model>.md beside
+it), made by `mtp-rollout train-heads heads_smollm2`; for a model the package ships none for, the
+heads `mtp-rollout train-heads model=<model>` cached under $MTP_ROLLOUT_CACHE/heads. `init`:
+untrained heads (a copy of the policy's last layer). Anything else is a checkpoint file written by
+mtp_heads.checkpoint.save_heads (train-heads or a co-trainer checkpoint).
 """
 from __future__ import annotations
 
 from pathlib import Path
 
-from mtp_heads.checkpoint import HeadMeta, load_heads
-from mtp_heads.heads import MTPHeads
+from mtp_heads.checkpoint import HeadMeta, default_heads_path, load_heads
+from mtp_heads.heads import MTPHeads, init_heads
 from rollout.models.decoder import CausalLM
 
 SHIPPED_DIR = Path(__file__).resolve().parent / "default_heads"
+HEAD_SOURCES = ("shipped", "init")   # or a checkpoint path
 SHIPPED: dict[str, str] = {          # model spec -> file in SHIPPED_DIR
     "smollm2-135m": "smollm2-135m.safetensors",
 }
@@ -31,3 +35,37 @@ def load_shipped_heads(policy: CausalLM, model_spec: str) -> tuple[MTPHeads, Hea
     ValueError when they exist but were trained for another architecture."""
     path = shipped_heads_path(model_spec)
     return None if path is None else load_heads(path, policy)
+
+
+def trained_heads_path(model_spec: str) -> Path:
+    """$MTP_ROLLOUT_CACHE/heads/<model>-D1-trained.safetensors: where `train-heads` leaves heads for a
+    model the package ships none for."""
+    return default_heads_path(model_spec, 1, "trained")
+
+
+def resolve_heads(policy: CausalLM, spec: str, *, model: str, num_depths: int | None = None,
+                  seed: int = 0) -> tuple[MTPHeads, str]:
+    """Heads for `policy` from a `heads` setting, and a one-line description for logs.
+
+    spec: "shipped", "init" or a checkpoint path. model: the policy's model spec (names the shipped
+    file). num_depths: head modules (one recurrent depth drafts every position; None = 1 for "init",
+    what the file holds otherwise); a number must match the file's. ValueError naming the file or
+    the setting otherwise.
+    """
+    if spec == "init":
+        return init_heads(policy, num_depths or 1, seed=seed), "init (untrained: expect low acceptance)"
+    if spec == "shipped":
+        path = shipped_heads_path(model) or trained_heads_path(model)
+        if not path.is_file():
+            raise ValueError(f"heads=shipped: the package ships no heads for model {model!r} and none were trained "
+                             f"({path} is missing); run `mtp-rollout train-heads model={model}`, pass heads=<file>, "
+                             "or heads=init")
+    else:
+        path = Path(spec).expanduser()
+        if not path.is_file():
+            raise ValueError(f"heads={spec!r}: no such heads file; use shipped, init or a checkpoint path")
+    heads, meta = load_heads(path, policy)
+    if num_depths is not None and meta.num_depths != num_depths:
+        raise ValueError(f"{path} holds {meta.num_depths} MTP depths but {num_depths} were asked for; "
+                         f"set num_depths={meta.num_depths}")
+    return heads, f"{spec if spec != 'shipped' else path.name} ({meta.loss} loss, {meta.steps} steps)"

@@ -21,16 +21,16 @@ import torch
 
 from mtp_heads.heads import MTPHeads, init_heads
 from rollout.cotrainer_client import CoTrainerClient
-from rollout.models.decoder import CausalLM, build_model
+from rollout.models.decoder import CausalLM
 from rollout.models.dtypes import parse_dtype
 from rollout.monitor import AcceptanceMonitor, MonitorConfig
 from rollout.published_weights import PublishedWeights
 from rollout.types import Completion, RolloutBatch, SamplingParams
-from rollout.weights import FlatWeights, pack, unpack
+from rollout.models.flat_weights import FlatWeights, pack, unpack
 from rollout.worker_pool import WorkerPool
 from rollout.workers import WorkerConfig
-from trainers.cotrainer import CoTrainerConfig
-from trainers.refresh import StepObservation
+from mtp_heads.cotrainer import CoTrainerConfig
+from mtp_heads.refresh import StepObservation
 
 __all__ = ["AcceleratorConfig", "CoTrainerConfig", "MonitorConfig", "RolloutAccelerator", "WorkerConfig",
            "load_heads_for"]
@@ -131,9 +131,8 @@ class RolloutAccelerator:
         if cfg.ray_address is None:
             check_resources(cfg)
         if policy is None:
-            from rollout.models.loaders import load_model
-            loaded = load_model(cfg.model)
-            policy = build_model(loaded.config, loaded.state_dict, parse_dtype(cfg.dtype))
+            from rollout.models.loaders import load_policy
+            policy, _ = load_policy(cfg.model, cfg.dtype)
         if heads is None:
             heads = (load_heads_for(cfg.heads_path, policy, cfg.num_depths) if cfg.heads_path
                      else init_heads(policy, cfg.num_depths, seed=cfg.seed))

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import importlib.util
 import inspect
 import io
 import json
@@ -34,6 +35,8 @@ from rollout.fileio import atomic_write
 T = TypeVar("T")
 
 RESOLVED_NAME = "config.yaml"
+# configs/ in a checkout, or the `configs` package an installed wheel carries
+CONFIGS_DIR = Path(importlib.util.find_spec("configs").origin).parent
 HELP_FLAGS = ("-h", "--help")
 
 if not OmegaConf.has_resolver("now"):
@@ -43,6 +46,17 @@ if not OmegaConf.has_resolver("now"):
         return _START.strftime(fmt)
 
     OmegaConf.register_resolver("now", _now, use_cache=True)
+
+
+def packaged_config(name: str) -> Path:
+    """configs/<name>.yaml for a bare name (`async_rl`), else the path as given."""
+    if "/" in name or name.endswith((".yaml", ".yml")):
+        return Path(name)
+    path = CONFIGS_DIR / f"{name}.yaml"
+    if not path.is_file():
+        known = sorted(p.stem for p in CONFIGS_DIR.glob("*.yaml"))
+        raise ValueError(f"no packaged config named {name!r}; known: {known}")
+    return path
 
 
 def wants_help(argv: list[str]) -> bool:

@@ -17,11 +17,11 @@ from collections.abc import Callable
 import ray
 from ray.exceptions import RayActorError
 
+from mtp_heads.cotrainer import CoTrainerConfig, HeadCoTrainer, RefreshResult
+from mtp_heads.refresh import StepObservation
+from rollout.models.flat_weights import FlatWeights
 from rollout.published_weights import PublishedWeights
-from rollout.weights import FlatWeights
 from rollout.worker_pool import actor_threads
-from trainers.cotrainer import CoTrainerConfig, HeadCoTrainer, RefreshResult
-from trainers.refresh import StepObservation
 
 logger = logging.getLogger(__name__)
 

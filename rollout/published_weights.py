@@ -11,7 +11,7 @@ import ray
 import torch
 
 from rollout.models.config import ModelConfig
-from rollout.weights import FlatWeights, pack
+from rollout.models.flat_weights import FlatWeights, pack
 
 
 class PublishedWeights:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -221,3 +222,16 @@ class RolloutBatch:
         for c in self.completions:
             total = total.merge(c.spec_stats())
         return total
+
+
+def check_draft_modes(draft_modes: Sequence[str]) -> list[str]:
+    """The draft modes a study compares; ValueError naming `draft_modes` for an empty list or an unknown mode."""
+    modes = list(draft_modes)
+    if not modes:
+        raise ValueError(f"draft_modes is empty: give one or more of {list(DRAFT_MODES)}")
+    bad = [m for m in modes if m not in DRAFT_MODES]
+    if bad:
+        raise ValueError(f"draft_modes: unknown draft mode {bad[0]!r}; known: {list(DRAFT_MODES)}")
+    if len(set(modes)) != len(modes):
+        raise ValueError(f"draft_modes lists a mode twice: {modes}")
+    return modes

@@ -2,7 +2,7 @@
 
 The actor is sequential (one call at a time), so a weight update queued while a generate
 call runs is applied after it, never in the middle of a decode round, and calls from the
-facade run in the order they were sent. Weights arrive as rollout.weights.FlatWeights (one
+facade run in the order they were sent. Weights arrive as rollout.models.flat_weights.FlatWeights (one
 object-store buffer per sync); every completion carries the versions it ran with.
 """
 from __future__ import annotations
@@ -15,9 +15,10 @@ from typing import TYPE_CHECKING, Callable, Protocol
 
 import torch
 
+from mtp_heads.heads import heads_from_flat
 from rollout.models.config import ModelConfig
+from rollout.models.flat_weights import FlatWeights, policy_from_flat, unpack
 from rollout.types import RolloutBatch, SamplingParams
-from rollout.weights import FlatWeights, heads_from_flat, policy_from_flat, unpack
 
 if TYPE_CHECKING:
     from mtp_heads.heads import MTPHeads

@@ -96,8 +96,8 @@ def test_completion_mask_and_step_masks():
 
 
 def _cotrainer(policy, heads, **kw):
-    from rollout.weights import pack
-    from trainers.cotrainer import CoTrainerConfig, HeadCoTrainer
+    from rollout.models.flat_weights import pack
+    from mtp_heads.cotrainer import CoTrainerConfig, HeadCoTrainer
     cfg = CoTrainerConfig(**{"batch_tokens": 100_000, "lr": 3e-3, "policy_dtype": "float32", **kw})
     return HeadCoTrainer(cfg, policy.config, pack(policy.state_dict()), 0, pack(heads.state_dict()),
                          heads.num_depths, 0, seed=0)

@@ -1,16 +1,26 @@
 """The package's layering, checked from the source (ast, nothing is imported or executed).
 
-Layers, lowest first (DESIGN.md): model definitions and loaders -> heads, losses and the
-distillation core -> engines -> co-trainer and workers -> the accelerator (runtime) ->
-experiments and the CLI; LAYERS below puts every module in one. Every import is walked:
-top level, lazy inside functions, under `if TYPE_CHECKING:`, and
-`importlib.import_module("...")` with a literal name. The rules:
+Each top-level folder is a layer, lowest first (docs/design.md "Layout"):
+
+    rollout/models (+ rollout.fileio, config_loader, run_dir)   the foundation: model definitions and loaders
+    mtp_heads/     heads, losses, the distillation core, the co-trainer and its refresh policies
+    rollout/       engines -> workers and the monitor -> the runtime facade -> integrations
+    trainers/      policy training: the async GRPO loop, tasks, run checkpoints
+    experiments/   the CLI, its jobs and studies
+
+rollout/models is the one documented place a lower folder reaches into: mtp_heads imports it
+and the file/config helpers beside it, nothing else of rollout. LAYERS below puts every module in
+one layer (finer inside rollout/). Every import is walked: top level, lazy inside functions,
+under `if TYPE_CHECKING:`, and `importlib.import_module("...")` with a literal name. The rules:
 
 1. no import cycle between modules;
-2. mtp_heads imports only itself and the bottom layer: no engine, runtime, trainer or experiment;
+2. mtp_heads imports only itself and the foundation: no engine, runtime, trainer or experiment;
 3. no library module (rollout, mtp_heads, trainers) imports experiments;
 4. no private name (`_x`) is imported from another module;
-5. every module has a layer and imports only from its own layer or lower ones.
+5. every module has a layer and imports only from its own layer or lower ones, and the layers
+   follow the folders (a folder's layers are contiguous, in the order above);
+6. an experiments entry point (a module with `main`) imports no other entry point, except where
+   one job composes another (COMPOSES); what they share lives in experiments.common.
 
 Each rule is also run on a synthetic tree with one planted violation, to show it can fail.
 """
@@ -25,22 +35,30 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 LIBRARY = ("rollout", "mtp_heads", "trainers")
 SCANNED = (*LIBRARY, "experiments")
-# (layer, module prefixes), lowest first; the longest matching prefix decides. A new module
+FOUNDATION = ("rollout.models", "rollout.fileio", "rollout.config_loader", "rollout.run_dir")
+# (folder, layer, module prefixes), lowest first; the longest matching prefix decides. A new module
 # outside these prefixes fails rule 5 until it is placed here.
-LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("models, loaders and file/config helpers", ("rollout.models", "rollout.types", "rollout.fileio",
-                                                 "rollout.config_loader", "rollout.run_dir")),
-    ("heads, losses and the distillation core", ("mtp_heads",)),
-    ("engines", ("rollout.verify", "rollout.torch_engine", "rollout.engine", "rollout.vllm")),
-    ("co-trainer, workers, weight shipping, monitor", ("trainers.cotrainer", "trainers.refresh", "rollout.workers",
-                                                      "rollout.weights", "rollout.monitor")),
-    ("runtime", ("rollout.accelerator", "rollout.worker_pool", "rollout.cotrainer_client",
-                 "rollout.published_weights", "rollout.ray_guard")),
-    ("RL loops: the GRPO job, integrations into other trainers", ("trainers", "rollout.integrations")),
-    ("experiments and the CLI", ("experiments",)),
+LAYERS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
+    ("rollout/models", "models, loaders and file/config helpers", FOUNDATION),
+    ("mtp_heads", "heads, losses, distillation, the co-trainer", ("mtp_heads",)),
+    ("rollout", "engines", ("rollout.types", "rollout.verify", "rollout.torch_engine", "rollout.engine",
+                            "rollout.vllm")),
+    ("rollout", "workers and the monitor", ("rollout.workers", "rollout.monitor")),
+    ("rollout", "runtime", ("rollout.accelerator", "rollout.worker_pool", "rollout.cotrainer_client",
+                            "rollout.published_weights", "rollout.ray_guard")),
+    ("rollout", "integrations into other trainers", ("rollout.integrations",)),
+    ("trainers", "policy training: the GRPO loop, tasks, run checkpoints", ("trainers",)),
+    ("experiments", "experiments and the CLI", ("experiments",)),
 )
-PACKAGE_LAYERS = {"rollout": 4, "mtp_heads": 1, "trainers": 5, "experiments": 6}   # the __init__ modules
-HEADS_MAY_IMPORT = (*LAYERS[0][1], *LAYERS[1][1])
+FOLDERS = ("rollout/models", "mtp_heads", "rollout", "trainers", "experiments")
+PACKAGE_LAYERS = {"rollout": 5, "mtp_heads": 1, "trainers": 6, "experiments": 7}   # the __init__ modules
+HEADS_MAY_IMPORT = ("mtp_heads", *FOUNDATION)
+# experiments entry points that run another job: (importer, imported)
+COMPOSES = {
+    ("experiments.common", "experiments.async_rl"),             # run_cell: a study's RL run
+    ("experiments.entropy_ablation", "experiments.pretrain_heads"),   # each objective's heads
+    ("experiments.bench_decode", "experiments.bench_vllm"),     # bench-decode --against vllm
+}
 
 
 @dataclass(frozen=True)
@@ -133,7 +151,7 @@ def layer_of(mod: str) -> int | None:
     if mod in PACKAGE_LAYERS:
         return PACKAGE_LAYERS[mod]
     best = None
-    for i, (_, prefixes) in enumerate(LAYERS):
+    for i, (_, _, prefixes) in enumerate(LAYERS):
         for p in prefixes:
             if _within(mod, (p,)) and (best is None or len(p) > best[1]):
                 best = (i, len(p))
@@ -205,16 +223,30 @@ def downward_violations(mods: dict[str, Path], edges: list[Edge]) -> list[str]:
     for e in edges:
         src, dst = layer_of(e.src), layer_of(e.dst)
         if src is not None and dst is not None and dst > src:
-            out.append(f"{e.file}:{e.line}: {e.src} ({LAYERS[src][0]}) imports {e.dst}, a higher layer "
-                       f"({LAYERS[dst][0]})")
+            out.append(f"{e.file}:{e.line}: {e.src} ({LAYERS[src][1]}) imports {e.dst}, a higher layer "
+                       f"({LAYERS[dst][1]})")
     return out
+
+
+def entry_points(mods: dict[str, Path]) -> set[str]:
+    """experiments modules that define a top-level main() (the CLI itself excepted)."""
+    return {m for m, path in mods.items() if m.startswith("experiments.") and m != "experiments.cli"
+            and any(isinstance(n, ast.FunctionDef) and n.name == "main" for n in ast.parse(path.read_text()).body)}
+
+
+def entry_point_violations(mods: dict[str, Path], edges: list[Edge]) -> list[str]:
+    entries = entry_points(mods)
+    return [f"{e.file}:{e.line}: {e.src} imports entry point {e.dst}; move what they share to experiments.common"
+            for e in edges if e.dst in entries and e.src != e.dst and e.src != "experiments.cli"
+            and e.src.startswith("experiments.") and (e.src, e.dst) not in COMPOSES]
 
 
 RULES = {"cycles": lambda mods, edges: cycle_violations(mods, edges),
          "down": downward_violations,
          "heads": lambda mods, edges: heads_layer_violations(edges),
          "experiments": lambda mods, edges: experiments_violations(edges),
-         "private": lambda mods, edges: private_name_violations(edges)}
+         "private": lambda mods, edges: private_name_violations(edges),
+         "entry_points": entry_point_violations}
 
 
 # -- the real tree -------------------------------------------------------------------------------
@@ -256,25 +288,32 @@ CLEAN = {
     "rollout/models/__init__.py": "",
     "rollout/models/config.py": "",
     "rollout/models/decoder.py": "import torch\nfrom rollout.models.config import ModelConfig\n",
-    "rollout/torch_engine.py": "from rollout.models.decoder import x\n",
-    "rollout/accelerator.py": "from rollout.torch_engine import TorchEngine\nfrom trainers.cotrainer import C\n",
+    "rollout/verify.py": "import torch\n",
+    "rollout/torch_engine.py": "from rollout.models.decoder import x\nfrom mtp_heads.heads import MTPHeads\n",
+    "rollout/accelerator.py": "from rollout.torch_engine import TorchEngine\nfrom mtp_heads.cotrainer import C\n",
     "mtp_heads/__init__.py": "",
     "mtp_heads/heads.py": "from rollout.models import decoder\n",
+    "mtp_heads/cotrainer.py": "from mtp_heads.heads import MTPHeads\n",
     "trainers/__init__.py": "",
-    "trainers/cotrainer.py": "from mtp_heads.heads import MTPHeads\n",
+    "trainers/grpo.py": "from rollout.accelerator import RolloutAccelerator\n",
+    "trainers/tasks.py": "",
     "experiments/__init__.py": "",
-    "experiments/run.py": "from rollout.accelerator import RolloutAccelerator\nfrom experiments import run\n",
+    "experiments/common.py": "from rollout.models.config import ModelConfig\n",
+    "experiments/run.py": ("from trainers.grpo import G\nfrom experiments import common\n"
+                           "def main(argv):\n    return 0\n"),
+    "experiments/sweep.py": "from experiments.common import x\ndef main(argv):\n    return 0\n",
 }
 
 # rule -> (file, text appended to it, other rules that the same import rightly breaks too)
 PLANTED = {
     "cycles": ("rollout/models/config.py",
                "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from rollout.models.decoder import X\n", ()),
-    "heads": ("mtp_heads/heads.py", "def evaluate():\n    from rollout.torch_engine import TorchEngine\n", ("down",)),
+    "heads": ("mtp_heads/heads.py", "def evaluate():\n    from rollout.verify import rejection_sample\n", ("down",)),
     "experiments": ("trainers/tasks.py", "import importlib\nm = importlib.import_module('experiments.run')\n",
                     ("down",)),
     "private": ("experiments/run.py", "from rollout.models.decoder import _helper\n", ()),
-    "down": ("rollout/torch_engine.py", "def refresh():\n    from trainers.cotrainer import C\n", ()),
+    "down": ("rollout/accelerator.py", "def tasks():\n    from trainers.tasks import T\n", ()),
+    "entry_points": ("experiments/sweep.py", "def again():\n    from experiments.run import main\n", ()),
 }
 
 
@@ -298,6 +337,23 @@ def test_a_planted_violation_fails_its_rule(tmp_path, rule):
     found = {r: RULES[r](mods, edges) for r in RULES}
     assert len(found[rule]) == 1 and rel in found[rule][0], found
     assert {r for r, v in found.items() if v} == {rule, *also}, found
+
+
+def test_layers_follow_the_folders():
+    """Each layer's prefixes sit in its folder, and the folders' layers come in FOLDERS order."""
+    def folder_of(prefix: str) -> str:
+        return "rollout/models" if _within(prefix, FOUNDATION) else prefix.split(".")[0]
+    assert all(folder_of(p) == folder for folder, _, prefixes in LAYERS for p in prefixes)
+    order = [folder for folder, _, _ in LAYERS]
+    assert sorted(order, key=FOLDERS.index) == order and set(order) == set(FOLDERS)
+
+
+def test_a_lower_layer_in_the_same_folder_cannot_import_a_higher_one(tmp_path):
+    _write(tmp_path, {**CLEAN, "rollout/torch_engine.py": CLEAN["rollout/torch_engine.py"]
+                      + "def facade():\n    from rollout.accelerator import A\n"})
+    mods, edges = import_edges(tmp_path)
+    found = downward_violations(mods, edges)
+    assert len(found) == 1 and "rollout.torch_engine (engines) imports rollout.accelerator" in found[0]
 
 
 def test_a_module_without_a_layer_fails(tmp_path):

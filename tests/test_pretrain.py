@@ -293,34 +293,34 @@ def test_train_heads_cli_exits_0_after_a_real_run(policy, data, held_out, tmp_pa
 
 
 def test_shipped_heads_load_without_training(policy, tmp_path, monkeypatch):
-    import experiments.pretrain_heads as job
     import mtp_heads.shipped as shipped
     from mtp_heads.checkpoint import HeadMeta, save_heads
     heads = init_heads(policy, 1, seed=4).to(torch.bfloat16)
     save_heads(tmp_path / "tiny.safetensors", heads, HeadMeta.for_heads(heads, loss="fkl:1+tv:1", steps=2))
     monkeypatch.setattr(shipped, "SHIPPED_DIR", tmp_path)
     monkeypatch.setattr(shipped, "SHIPPED", {"tiny": "tiny.safetensors"})
-    monkeypatch.setattr(job, "run", lambda *a, **k: pytest.fail("shipped heads must not train"))
-    got, meta = job.load_or_train_default_heads(policy, None, model_spec="tiny")
-    assert meta.steps == 2 and got.depths[0].eh_proj.weight.dtype == torch.float32
+    got, desc = shipped.resolve_heads(policy, "shipped", model="tiny")
+    assert "2 steps" in desc and got.depths[0].eh_proj.weight.dtype == torch.float32
     torch.testing.assert_close(got.depths[0].eh_proj.weight, heads.depths[0].eh_proj.weight.float())
+    with pytest.raises(ValueError, match="holds 1 MTP depths but 2"):
+        shipped.resolve_heads(policy, "shipped", model="tiny", num_depths=2)
 
 
-def test_other_policies_train_once_through_the_preset_then_load(policy, tmp_path, monkeypatch):
-    import experiments.pretrain_heads as job
+def test_other_policies_use_the_heads_train_heads_cached_or_say_how_to_get_them(policy, tmp_path, monkeypatch):
     from mtp_heads.checkpoint import HeadMeta, save_heads
+    from mtp_heads.shipped import resolve_heads, trained_heads_path
     monkeypatch.setenv("MTP_ROLLOUT_CACHE", str(tmp_path))
-    calls = []
-
-    def fake_run(cfg, resolved, policy, loaded):
-        calls.append(cfg)
-        heads = init_heads(policy, cfg.train.num_depths, seed=3)
-        save_heads(cfg.out, heads, HeadMeta.for_heads(heads, steps=cfg.train.total_steps))
-    monkeypatch.setattr(job, "run", fake_run)
-    a, meta = job.load_or_train_default_heads(policy, None, model_spec="other-model")
-    b, meta2 = job.load_or_train_default_heads(policy, None, model_spec="other-model")
-    assert len(calls) == 1 and calls[0].model == "other-model" and calls[0].data.store == ""
-    assert meta == meta2 and meta.steps == calls[0].train.total_steps
+    with pytest.raises(ValueError, match="train-heads model=other-model"):
+        resolve_heads(policy, "shipped", model="other-model")
+    heads = init_heads(policy, 1, seed=3)
+    save_heads(trained_heads_path("other-model"), heads, HeadMeta.for_heads(heads, steps=7))
+    got, desc = resolve_heads(policy, "shipped", model="other-model")
+    assert "7 steps" in desc
+    torch.testing.assert_close(got.depths[0].eh_proj.weight, heads.depths[0].eh_proj.weight)
+    path_heads, _ = resolve_heads(policy, str(trained_heads_path("other-model")), model="other-model")
+    torch.testing.assert_close(path_heads.depths[0].eh_proj.weight, heads.depths[0].eh_proj.weight)
+    with pytest.raises(ValueError, match="no such heads file"):
+        resolve_heads(policy, str(tmp_path / "missing.safetensors"), model="other-model")
 
 
 def test_train_heads_cli_help_lists_every_key(capsys):

@@ -16,12 +16,12 @@ from rollout.accelerator import AcceleratorConfig, RolloutAccelerator
 from rollout.monitor import AcceptanceMonitor, MonitorConfig
 from rollout.torch_engine import TorchEngine
 from rollout.types import RolloutBatch, SamplingParams
-from rollout.weights import pack, unpack
+from rollout.models.flat_weights import pack, unpack
 from rollout.worker_pool import chunk_sampling, split_evenly
 from rollout.workers import WorkerConfig
 from tests.conftest import random_heads, tiny_model
-from trainers.cotrainer import CoTrainerConfig, HeadCoTrainer
-from trainers.refresh import StepObservation, build_refresh_policy
+from mtp_heads.cotrainer import CoTrainerConfig, HeadCoTrainer
+from mtp_heads.refresh import StepObservation, build_refresh_policy
 
 PROMPTS = [[2 + i, 3, 4 + i, 5] for i in range(4)]
 ROOT = Path(__file__).resolve().parents[1]
@@ -171,7 +171,7 @@ def test_cotrainer_tv_refresh_lowers_loss_and_checkpoints(models, tmp_path):
 def test_cotrainer_refresh_stops_at_its_time_budget(models, monkeypatch):
     """refresh_budget_s bounds a refresh's wall time (one step at least), so the actor's queue of
     decisions, policy syncs and checkpoint requests keeps moving; without a budget all steps run."""
-    import trainers.cotrainer as cotrainer_module
+    import mtp_heads.cotrainer as cotrainer_module
     policy, heads = models
     batch = TorchEngine(policy, heads).generate(PROMPTS, sp(1.0, n=8))
     clock = iter(range(0, 10_000, 10))                       # every perf_counter() call: 10 s later

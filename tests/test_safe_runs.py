@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from experiments import cli
-from experiments.run_state import latest_checkpoint
+from trainers.run_state import latest_checkpoint
 from rollout import ray_guard
 from rollout.run_dir import RunDirBusy, RunLock, check_writable, read_json, read_jsonl
 from rollout.types import SamplingParams, validate_request
@@ -282,10 +282,10 @@ def test_cotrainer_state_roundtrip_continues_identically(tmp_path):
     as the original's (optimizer moments, refresh policy, replay and RNG all carried)."""
     from mtp_heads.heads import init_heads
     from rollout.models.decoder import random_model
-    from rollout.weights import pack
+    from rollout.models.flat_weights import pack
     from tests.conftest import tiny_config
-    from trainers.cotrainer import CoTrainerConfig, HeadCoTrainer
-    from trainers.refresh import StepObservation
+    from mtp_heads.cotrainer import CoTrainerConfig, HeadCoTrainer
+    from mtp_heads.refresh import StepObservation
 
     policy = random_model(tiny_config(), seed=0)
     heads = init_heads(policy, num_depths=2, seed=0)
@@ -401,8 +401,8 @@ def test_ci_runs_the_readme_quick_start_commands_as_written():
 def test_checkpoint_saves_heads_unpacked_from_one_flat_buffer(tmp_path):
     """Published heads arrive as views of one byte buffer with different dtypes (bf16 weights, int64
     draft vocabulary); the run checkpoint must save and restore them exactly."""
-    from experiments.run_state import latest_checkpoint, save_checkpoint
-    from rollout.weights import pack, unpack
+    from trainers.run_state import latest_checkpoint, save_checkpoint
+    from rollout.models.flat_weights import pack, unpack
 
     heads = unpack(pack({"w": torch.randn(4, 3).to(torch.bfloat16), "draft_vocab": torch.arange(5)}))
     save_checkpoint(tmp_path, 0, trained={}, previous={}, optimizer={}, heads=heads, head_version=2, cotrainer=None)

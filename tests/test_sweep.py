@@ -21,11 +21,11 @@ from mtp_heads.heads import MTPHeads, init_heads
 from mtp_heads.losses import draft_loss
 from rollout.config_loader import config_keys, load_config
 from rollout.models.decoder import CausalLM
-from rollout.monitor.sweep import SweepSettings, TemperatureRun, decode_at, temperature_record
+from experiments.sweep_measure import SweepSettings, TemperatureRun, decode_at, temperature_record
 from rollout.torch_engine import TorchEngine
 from rollout.verify import entropy, process_logits
 from tests.conftest import random_heads, tiny_model
-from trainers.policy import load_rl_policy
+from trainers.rl_policy import load_rl_policy
 
 Z_PASS, Z_FAIL = 4.0, 8.0     # |z| < 4 for the right expectation (false alarm ~6e-5); > 8 for a wrong one
 
@@ -193,7 +193,7 @@ def test_record_statistics_are_consistent(runs):
 def head_files(tmp_path_factory):
     """Two head checkpoints for the `tiny-random` policy."""
     root = tmp_path_factory.mktemp("heads")
-    policy = load_rl_policy("tiny-random").model
+    policy = load_rl_policy("tiny-random", "float32").model
     paths = {}
     for name, seed in (("a", 1), ("b", 2)):
         heads = random_heads(policy, 1, seed=seed)

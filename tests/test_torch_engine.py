@@ -332,7 +332,7 @@ def test_smollm2_bfloat16_speculative_greedy_equals_float32_except_at_near_ties(
     from rollout.engine.config import EngineConfig
     from rollout.models import fast_linear
     from rollout.models.loaders import apply_chat_template
-    from rollout.models.policy import load_policy
+    from rollout.models.loaders import load_policy
     assert fast_linear.ENABLED
     p32, loaded = load_policy("smollm2-135m", "float32")
     p16, _ = load_policy("smollm2-135m", "bfloat16")

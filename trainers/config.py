@@ -13,12 +13,12 @@ import dataclasses
 import sys
 from pathlib import Path
 
+from mtp_heads.cotrainer import CoTrainerConfig
 from rollout.accelerator import AcceleratorConfig
 from rollout.config_loader import keys_table, load_config
 from rollout.fileio import atomic_write
 from rollout.monitor import MonitorConfig
 from rollout.types import DRAFT_MODES, SamplingParams
-from trainers.cotrainer import CoTrainerConfig
 from trainers.grpo import GRPOConfig, ScheduleConfig
 from trainers.tasks import TaskConfig
 

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 from rollout.models.decoder import CausalLM
 from rollout.types import RolloutBatch
-from trainers.policy import trainable_copy
+from trainers.rl_policy import trainable_copy
 
 # ------------------------------------------------------------------------------ schedules
 

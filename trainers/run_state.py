@@ -26,9 +26,9 @@ from pathlib import Path
 
 import torch
 
+from mtp_heads.cotrainer import HEADS_NAME, STATE_NAME
 from rollout.fileio import atomic_write
 from rollout.run_dir import read_json, truncate_to
-from trainers.cotrainer import HEADS_NAME, STATE_NAME
 
 logger = logging.getLogger(__name__)
 
@@ -41,7 +41,7 @@ FORMAT = 1
 
 
 def _own_storage(obj):
-    """Tensors unpacked from one flat weight buffer (rollout.weights) are views of one byte storage
+    """Tensors unpacked from one flat weight buffer (rollout.models.flat_weights) are views of one byte storage
     with different dtypes, which torch.save refuses: give each its own storage."""
     if isinstance(obj, torch.Tensor):
         return obj.clone()

@@ -31,7 +31,7 @@ from rollout.monitor.positions import PositionPoints, per_position_slope
 from rollout.monitor.slope import per_step_slope
 from rollout.monitor.step_stats import group_stats
 from rollout.torch_engine import TorchEngine
-from rollout.types import DRAFT_MODES, Completion, SamplingParams
+from rollout.types import Completion, SamplingParams
 
 Progress = Callable[[int, int, int], None]     # (new tokens, accepted drafts, proposed drafts) per round
 
@@ -47,19 +47,6 @@ def check_temperatures(temperatures: Sequence[float]) -> list[float]:
             raise ValueError(f"temperatures must be finite numbers > 0 (T = 0 is greedy decoding, entropy 0), "
                              f"got {t!r} in {temps}")
     return [float(t) for t in temps]
-
-
-def check_draft_modes(draft_modes: Sequence[str]) -> list[str]:
-    """The draft modes to sweep; ValueError naming `draft_modes` for an empty list or an unknown mode."""
-    modes = list(draft_modes)
-    if not modes:
-        raise ValueError(f"draft_modes is empty: give one or more of {list(DRAFT_MODES)}")
-    bad = [m for m in modes if m not in DRAFT_MODES]
-    if bad:
-        raise ValueError(f"draft_modes: unknown draft mode {bad[0]!r}; known: {list(DRAFT_MODES)}")
-    if len(set(modes)) != len(modes):
-        raise ValueError(f"draft_modes lists a mode twice: {modes}")
-    return modes
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,6 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from mtp_heads.heads import MTPHeads, layers_in_state_dict
 from rollout.models.config import ModelConfig
 from rollout.models.decoder import CausalLM, build_model
 from rollout.models.dtypes import parse_dtype
@@ -91,18 +90,9 @@ def unpack(flat: FlatWeights, *, copy: bool = False) -> dict[str, torch.Tensor]:
     return out
 
 
-# -- shipped weights -> modules (workers and the co-trainer build theirs the same way) ----------
+# -- shipped weights -> a policy module (workers and the co-trainer build theirs the same way) ------
 
 def policy_from_flat(config: ModelConfig, flat: FlatWeights, dtype: str = "float32",
                      device: str = "cpu") -> CausalLM:
     """A frozen CausalLM (rollout.models.decoder) holding the shipped weights."""
     return build_model(config, unpack(flat), parse_dtype(dtype), device)
-
-
-def heads_from_flat(policy_config: ModelConfig, num_depths: int, flat: FlatWeights, dtype: str = "float32",
-                    device: str = "cpu") -> MTPHeads:
-    """MTPHeads (mtp_heads.heads) for `policy_config` holding the shipped weights."""
-    state = unpack(flat)
-    heads = MTPHeads(policy_config, num_depths, layers_in_state_dict(state))
-    heads.load_state_dict(state)
-    return heads.to(device=device, dtype=parse_dtype(dtype))

@@ -2,7 +2,7 @@
 
 It runs beside the rollout workers (a Ray actor, created by rollout.accelerator) and never
 sits on the rollout path: rollouts are fed to it fire-and-forget, it decides per RL step
-whether to refresh (trainers.refresh), trains the heads against its own copy of the current
+whether to refresh (mtp_heads.refresh), trains the heads against its own copy of the current
 policy by teacher forcing the recent rollouts, checkpoints atomically and hands the new
 heads back to the facade, which publishes them to the workers.
 """
@@ -23,10 +23,11 @@ import torch
 from mtp_heads.checkpoint import HeadMeta, load_heads, save_heads
 from mtp_heads.distill import DistillBatch, DraftVocabMap, batch_from_replay, check_objective, default_unroll_steps, \
     distill_loss
+from mtp_heads.heads import heads_from_flat
+from mtp_heads.refresh import REFRESH_POLICIES, StepObservation, build_refresh_policy
 from rollout.models.config import ModelConfig
 from rollout.models.dtypes import parse_dtype
-from rollout.weights import FlatWeights, heads_from_flat, pack, policy_from_flat, unpack
-from trainers.refresh import REFRESH_POLICIES, StepObservation, build_refresh_policy
+from rollout.models.flat_weights import FlatWeights, pack, policy_from_flat, unpack
 
 logger = logging.getLogger(__name__)
 

@@ -15,9 +15,9 @@ from dataclasses import dataclass
 import torch
 
 from rollout.models.config import ModelConfig
-from rollout.models.decoder import CausalLM, build_model, random_model
-from rollout.models.dtypes import parse_dtype
-from rollout.models.loaders import LoadedModel, load_model
+from rollout.models.decoder import CausalLM, random_model
+from rollout.models.dtypes import AUTO, parse_dtype
+from rollout.models.loaders import LoadedModel, load_policy
 from trainers.codec import ByteCodec, ChatCodec, TextCodec
 
 # a byte-level tiny model: seconds per RL step on a CPU (smoke job, tests)
@@ -45,13 +45,12 @@ def _tiny_random(dtype: torch.dtype, seed: int) -> Policy:
 BUILTIN_POLICIES: dict[str, Callable[[torch.dtype, int], Policy]] = {"tiny-random": _tiny_random}
 
 
-def load_rl_policy(spec: str, dtype: str = "float32", seed: int = 0) -> Policy:
+def load_rl_policy(spec: str, dtype: str = AUTO, seed: int = 0) -> Policy:
     """spec: 'tiny-random' (seeded), or anything rollout.models.loaders.load_model accepts."""
     if spec in BUILTIN_POLICIES:
         return BUILTIN_POLICIES[spec](parse_dtype(dtype), seed)
-    loaded = load_model(spec)
-    return Policy(build_model(loaded.config, loaded.state_dict, parse_dtype(dtype)), ChatCodec(loaded), loaded.source,
-                  loaded)
+    model, loaded = load_policy(spec, dtype)
+    return Policy(model, ChatCodec(loaded), loaded.source, loaded)
 
 
 def trainable_copy(model: CausalLM, train_last_layers: int, train_final_norm: bool = True,

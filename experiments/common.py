@@ -1,0 +1,132 @@
+"""Helpers the experiments' entry points share: the machine they ran on, prompt rotation for
+benchmarks, running and summarising an RL cell for the studies, number formatting, result copies
+and the studies' figure panels. Entry points import each other only where one job composes
+another (tests/test_layering.py lists those pairs); everything else they share lives here.
+"""
+from __future__ import annotations
+
+import math
+import platform
+import shutil
+from pathlib import Path
+
+import torch
+
+from rollout.config_loader import packaged_config
+from rollout.monitor.monitor import AcceptanceMonitor
+from rollout.monitor.plots import new_figure
+from rollout.monitor.records import as_float
+from rollout.run_dir import read_jsonl
+
+
+def cpu_name() -> str:
+    """The CPU model of this machine (cards and benchmark logs name it beside each figure)."""
+    try:
+        return next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.processor() or "unknown CPU"
+
+
+def machine() -> str:
+    """CPU, threads, torch version and load: the line a benchmark's log entry starts with."""
+    cpu = cpu_name()
+    try:
+        load = open("/proc/loadavg").read().split()[:3]
+    except OSError:
+        load = ["?"]
+    return f"{cpu}, {torch.get_num_threads()} torch threads, torch {torch.__version__}, load average {' '.join(load)}"
+
+
+def batch_of(prompts_ids: list[list[int]], batch_size: int, offset: int) -> list[list[int]]:
+    """The prompts of one repeat: every setting of a repeat decodes the same ones, and the repeats
+    rotate through the list, so that batch 1 is not one prompt's acceptance."""
+    return [prompts_ids[(offset + i) % len(prompts_ids)] for i in range(batch_size)]
+
+
+def run_cell(cfg, name: str, overrides: list[str], out: Path) -> Path:
+    """One RL run directory under runs/<name>; resumed if it stopped early, reused if complete.
+
+    cfg: a study config with rl_config (preset name or YAML path), rl (overrides) and progress."""
+    from experiments import async_rl
+    from trainers.config import load_run_config
+
+    run_dir = out / "runs" / name
+    argv = [str(packaged_config(cfg.rl_config)), *cfg.rl, *overrides, f"out_dir={run_dir}",
+            f"progress={str(cfg.progress).lower()}"]
+    run_cfg, _ = load_run_config(argv)
+    done = len(read_jsonl(run_dir / "rl.jsonl")) if (run_dir / "rl.jsonl").is_file() else 0
+    if done >= run_cfg.steps:
+        return run_dir
+    if async_rl.holds_run(run_dir):
+        argv.append("resume=true")
+    run_cfg, resolved = load_run_config(argv)
+    async_rl.run(run_cfg, resolved)
+    return run_dir
+
+
+def slope_fields(d: dict | None) -> dict:
+    """A monitor record's slope block as floats (JSON null -> nan) and its n."""
+    d = d or {}
+    fit = {k: as_float(d.get(k)) for k in ("slope", "intercept", "r2", "ci_low", "ci_high")}   # None (JSON NaN) -> nan
+    return {**fit, "n": int(d.get("n") or 0)}
+
+
+def summarize_group(steps: list[dict]) -> dict:
+    """Run-level numbers of one group (the whole batch or one domain) from its per-step blocks."""
+    drafted = sum(s.get("num_draft_tokens", 0) for s in steps)
+    accepted = sum(s.get("num_accepted_tokens", 0) for s in steps)
+    rounds = sum(s.get("num_drafts", 0) for s in steps)
+    entropy = [as_float(s.get("entropy_drafted")) for s in steps]
+    last = steps[-1] if steps else {}
+    return {"acceptance_rate": accepted / drafted if drafted else math.nan,
+            "acceptance_length": (accepted + rounds) / rounds if rounds else math.nan,
+            "entropy_first": entropy[0] if entropy else math.nan,
+            "entropy_last": entropy[-1] if entropy else math.nan,
+            "slope_step": slope_fields(last.get("slope_step_run")),
+            "slope_position": slope_fields(last.get("slope_position_cum"))}
+
+
+def summarize_run(run_dir: Path, records: list[dict] | None = None) -> dict:
+    """One cell's record: its monitor's steps and rl.jsonl's rollout times and rewards (`records`: the run's
+    monitor records when the caller has read them already)."""
+    records = AcceptanceMonitor.load_records(run_dir) if records is None else records
+    steps = [r for r in records if "event" not in r]
+    rl = read_jsonl(run_dir / "rl.jsonl")
+    tokens = sum(s.get("num_tokens", 0) for s in steps)
+    rollout_s = sum(r["rollout_s"] for r in rl)
+    domains = sorted({d for s in steps for d in s.get("domains", {})})
+    return {"steps": len(steps), "tokens": tokens, "rollout_s": rollout_s,
+            "rollout_tok_s": tokens / rollout_s if rollout_s else math.nan,
+            "reward_first": rl[0]["reward"] if rl else math.nan, "reward_last": rl[-1]["reward"] if rl else math.nan,
+            "refreshes": sum(1 for r in records if r.get("event") == "head_refresh"),
+            **summarize_group(steps),
+            "domains": {d: summarize_group([s["domains"][d] for s in steps if d in s.get("domains", {})])
+                        for d in domains},
+            "points": [{"entropy": s.get("entropy_drafted"), "acceptance": s.get("acceptance_rate")} for s in steps]}
+
+
+def fmt_num(x, spec: str = ".3f") -> str:
+    return format(x, spec) if isinstance(x, (int, float)) and math.isfinite(x) else "n/a"
+
+
+def copy_results(out: Path, names: tuple[str, ...], results_dir: str) -> None:
+    """Copy a study's result files from out to results_dir ("" = nowhere), e.g. experiments/results/<study>/."""
+    if results_dir:
+        dst = Path(results_dir)
+        dst.mkdir(parents=True, exist_ok=True)
+        for name in names:
+            shutil.copyfile(out / name, dst / name)
+
+
+def mode_panels(n: int):
+    """A row of n panels (one per draft mode) sharing the acceptance axis."""
+    return new_figure(1, max(n, 1), (6.2 * max(n, 1), 4.8),
+                      dict(left=0.07, right=0.99, bottom=0.11, top=0.92, wspace=0.12), sharey=True)
+
+
+def finish_mode_panel(ax, mode: str, xlabel: str, legend_title: str) -> None:
+    ax.set(title=f"{mode} drafting", xlabel=xlabel, ylabel="acceptance rate (accepted / proposed)", ylim=(0, 1))
+    ax.yaxis.set_tick_params(labelleft=True)
+    ax.grid(alpha=0.3)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=7, loc="best", title=legend_title, title_fontsize=7)
