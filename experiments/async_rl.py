@@ -17,7 +17,6 @@ import math
 import sys
 import time
 from collections import defaultdict
-from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -26,8 +25,8 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
-from mtp_heads.heads import MTPHeads, heads_from_flat, init_heads
-from mtp_heads.shipped import resolve_heads
+from mtp_heads.heads import MTPHeads, heads_from_flat
+from mtp_heads.shipped import HEAD_SOURCES, resolve_heads
 from rollout.accelerator import RolloutAccelerator
 from rollout.config_loader import config_help, packaged_config, wants_help, write_resolved
 from rollout.models.flat_weights import pack
@@ -48,19 +47,12 @@ CHECKPOINT_WAIT_S = 30.0   # longest a checkpoint waits for the co-trainer's in-
 DEFAULT_CONFIG = packaged_config("async_rl")
 
 
-def _pretrained_heads(policy: Policy, cfg: RunConfig) -> MTPHeads:
-    """The heads shipped for this model, or those `mtp-rollout train-heads` cached for it."""
+def make_heads(policy: Policy, cfg: RunConfig) -> MTPHeads:
+    """The run's starting heads from `heads` (shipped, init or a checkpoint path)."""
     acc = cfg.accelerator
-    heads, desc = resolve_heads(policy.model, "shipped", model=acc.model, num_depths=acc.num_depths)
-    logger.info("pre-trained heads: %s", desc)
+    heads, desc = resolve_heads(policy.model, cfg.heads, model=acc.model, num_depths=acc.num_depths, seed=cfg.seed)
+    logger.info("heads: %s", desc)
     return heads
-
-
-HEAD_SOURCES: dict[str, Callable[[Policy, RunConfig], MTPHeads | None]] = {
-    "pretrained": _pretrained_heads,
-    "init": lambda policy, cfg: init_heads(policy.model, cfg.accelerator.num_depths, seed=cfg.seed),
-    "path": lambda policy, cfg: None,     # the accelerator loads accelerator.heads_path
-}
 
 
 def rollouts(accel: RolloutAccelerator, sampler: TaskSampler, policy: Policy, cfg: RunConfig,
@@ -87,17 +79,16 @@ def _fmt(x) -> str:
 def check_config(cfg: RunConfig) -> None:
     """Every check that needs no model: run before the lock, any file or Ray. Errors name the key."""
     check_finite_config(cfg)
-    if cfg.heads not in HEAD_SOURCES:
-        raise ValueError(f"heads={cfg.heads!r} is unknown; choose one of {sorted(HEAD_SOURCES)}")
-    acc = cfg.accelerator
-    if cfg.heads == "path" and not acc.heads_path:
-        raise ValueError("heads=path needs accelerator.heads_path=<head checkpoint file>")
-    if acc.heads_path and cfg.heads != "path":
-        raise ValueError(f"accelerator.heads_path={acc.heads_path!r} is set but heads={cfg.heads!r} would ignore "
-                         "it; pass heads=path to use the file, or drop accelerator.heads_path")
-    if acc.heads_path:
+    if cfg.heads not in HEAD_SOURCES:                   # a checkpoint path: exists, readable header, right depth
         from mtp_heads.checkpoint import read_meta
-        read_meta(acc.heads_path)                       # exists and has a readable header
+        path = Path(cfg.heads).expanduser()
+        if not path.is_file():
+            raise ValueError(f"heads={cfg.heads!r}: no such heads file; use shipped, init or a checkpoint path")
+        meta = read_meta(path)
+        if meta.num_depths != cfg.accelerator.num_depths:
+            raise ValueError(f"heads={cfg.heads}: {path} holds {meta.num_depths} MTP depths but "
+                             f"accelerator.num_depths={cfg.accelerator.num_depths}; set accelerator.num_depths="
+                             f"{meta.num_depths}")
     for step in sorted({0, cfg.steps - 1}):             # the temperature schedule's ends
         try:
             cfg.sampling.params(step, cfg.steps, cfg.seed).validate()
@@ -125,10 +116,11 @@ def check_paths(cfg: RunConfig) -> None:
     acc = cfg.accelerator
     if acc.model == DEFAULT_MODEL and needs_download():
         check_writable(cache_dir(), "the model cache ($MTP_ROLLOUT_CACHE)")
-    if cfg.heads == "pretrained" and shipped_heads_path(acc.model) is None and \
+    if cfg.heads == "shipped" and shipped_heads_path(acc.model) is None and \
             not trained_heads_path(acc.model).is_file():
-        raise ValueError(f"heads=pretrained: the package ships no heads for {acc.model!r} and none were trained; "
-                         f"run `mtp-rollout train-heads model={acc.model}` first, or use heads=init")
+        raise ValueError(f"heads=shipped: the package ships no heads for {acc.model!r} and none were trained "
+                         f"({trained_heads_path(acc.model)} is missing); run `mtp-rollout train-heads "
+                         f"model={acc.model}` first, pass heads=<checkpoint path>, or use heads=init")
 
 
 def check_lengths(cfg: RunConfig, policy: Policy) -> None:
@@ -201,7 +193,7 @@ def run(cfg: RunConfig, resolved) -> Path:
         if ckpt is not None and ckpt.step + 1 >= cfg.steps:
             print(f"{run_dir}: all {cfg.steps} steps are done; nothing to resume")
         else:
-            heads = HEAD_SOURCES[cfg.heads](policy, cfg) if ckpt is None else None   # may pre-train: before Ray
+            heads = make_heads(policy, cfg) if ckpt is None else None
             with local_ray(cfg.accelerator.ray_address):
                 _train(cfg, policy, heads, run_dir, ckpt, None if cfg.resume else resolved)
         plot_rl(run_dir)
@@ -376,8 +368,9 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of `mtp-rollout run`: argv = YAML files and key=value overrides; without a
     YAML file the main job's configs/async_rl.yaml comes first."""
     argv = sys.argv[1:] if argv is None else argv
-    if wants_help(argv):
-        print(config_help(RunConfig, usage=USAGE), end="")
+    if wants_help(argv):      # the defaults shown are what this argv would run with (the preset's values)
+        print(config_help(RunConfig, usage=USAGE, argv=with_default_config([a for a in argv if not wants_help([a])])),
+              end="")
         return 0
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     argv = with_default_config(argv)

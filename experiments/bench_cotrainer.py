@@ -8,7 +8,7 @@ Rounds alternate off/on so that drift of a shared machine hits both alike; media
 on/off ratio are printed and written as JSON.
 
     python -m experiments.bench_cotrainer configs/bench_cotrainer.yaml [key=value ...]
-    python -m experiments.bench_cotrainer model=tiny-random rounds=2    # seconds: a random tiny model
+    python -m experiments.bench_cotrainer model=tiny-random heads=init rounds=2   # seconds: a random tiny model
     python -m experiments.bench_cotrainer --help                        # every key
 """
 from __future__ import annotations
@@ -23,13 +23,14 @@ import tempfile
 import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import ray
 import torch
 
 from mtp_heads.cotrainer import CoTrainerConfig
 from rollout.accelerator import AcceleratorConfig, RolloutAccelerator
-from rollout.config_loader import config_help, load_config, wants_help
+from rollout.config_loader import config_help, load_config, packaged_config, wants_help, write_resolved
 from rollout.fileio import atomic_write
 from rollout.monitor import MonitorConfig
 from rollout.types import SamplingParams
@@ -39,6 +40,8 @@ from trainers.rl_policy import load_rl_policy
 QUESTIONS = ["What is 17 plus 25?", "Reverse the word 'rollout'.", "Name three primary colours.",
              "Write one sentence about the sea.", "What is the capital of France?",
              "Spell 'entropy' in capital letters.", "Count from one to five.", "What is 9 times 7?"]
+DEFAULT_CONFIG = packaged_config("bench_cotrainer")
+RESULT_NAME = "bench_cotrainer.json"
 USAGE = "python -m experiments.bench_cotrainer [configs/bench_cotrainer.yaml] [key=value ...]"
 
 
@@ -47,21 +50,24 @@ class BenchCotrainerConfig:
     """One off/on throughput comparison."""
 
     model: str = "smollm2-135m"         # policy: a model spec, or `tiny-random` (a seconds-long smoke run)
-    heads_path: str | None = None       # pre-trained heads (mtp_heads.checkpoint file); null: init_heads
+    heads: str = "shipped"              # shipped | init (untrained) | a heads checkpoint path
     num_depths: int = 1                 # MTP depths D of the heads
     rounds: int = 5                     # off/on pairs
     prompts: int = 8                    # prompts per generate call (chat-formatted questions)
     max_new_tokens: int = 48            # tokens per completion (EOS ignored)
-    k: int = 2                          # draft tokens per round
+    num_draft_tokens: int = 2           # draft tokens per round
     batch_tokens: int = 512             # co-trainer tokens per training step
     worker_cpus: float = 1              # Ray CPUs of the rollout worker
     cotrainer_cpus: float = 1           # Ray CPUs of the co-trainer
     ray_address: str | None = None      # Ray cluster address; null: a local Ray sized for both actors
-    out: str | None = None              # write the result (with the resolved config) as JSON here
+    out_dir: str | None = None          # write <out_dir>/bench_cotrainer.json (result + resolved config) and
+                                        # config.yaml; null: print only
 
     def __post_init__(self) -> None:
-        if self.rounds < 1 or self.prompts < 1 or self.max_new_tokens < 1 or self.k < 1:
-            raise ValueError("rounds, prompts, max_new_tokens and k must all be >= 1")
+        if self.rounds < 1 or self.prompts < 1 or self.max_new_tokens < 1 or self.num_draft_tokens < 1:
+            raise ValueError("rounds, prompts, max_new_tokens and num_draft_tokens must all be >= 1")
+        from mtp_heads.shipped import check_heads_spec
+        check_heads_spec("heads", self.heads)
 
 
 def build_models(cfg: BenchCotrainerConfig):
@@ -72,10 +78,12 @@ def build_models(cfg: BenchCotrainerConfig):
 
 def main(argv: list[str] | None = None) -> dict | None:
     argv = sys.argv[1:] if argv is None else argv
-    if wants_help(argv):
-        print(config_help(BenchCotrainerConfig, usage=USAGE), end="")
+    rest = [a for a in argv if not wants_help([a])]
+    layers = rest if any("=" not in a for a in rest) else [str(DEFAULT_CONFIG), *rest]
+    if wants_help(argv):        # the defaults shown are those a run with this argv uses
+        print(config_help(BenchCotrainerConfig, usage=USAGE, argv=layers), end="")
         return None
-    args, resolved = load_config(BenchCotrainerConfig, argv)
+    args, resolved = load_config(BenchCotrainerConfig, layers)
     if args.ray_address is None:
         ray.init(num_cpus=max(2, math.ceil(args.worker_cpus + args.cotrainer_cpus)), include_dashboard=False,
                  log_to_driver=False)
@@ -90,9 +98,9 @@ def main(argv: list[str] | None = None) -> dict | None:
         cotrainer=CoTrainerConfig(refresh=("never",), batch_tokens=args.batch_tokens, num_cpus=args.cotrainer_cpus,
                                   replay_capacity=64),
         monitor=MonitorConfig(out_dir=os.path.join(tmp, "monitor"), n_boot=100, tensorboard=False, plots=False),
-        model=args.model, heads_path=args.heads_path, num_depths=args.num_depths, ray_address=args.ray_address)
+        model=args.model, heads=args.heads, num_depths=args.num_depths, ray_address=args.ray_address)
     accel = RolloutAccelerator.from_config(cfg, policy=policy)
-    sampling = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=1.0, num_draft_tokens=args.k,
+    sampling = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=1.0, num_draft_tokens=args.num_draft_tokens,
                               ignore_eos=True, seed=0)
     try:
         for _ in range(2):                                   # warm-up; also fills the co-trainer's replay buffer
@@ -127,9 +135,9 @@ def main(argv: list[str] | None = None) -> dict | None:
         accel.shutdown()
         ray.shutdown()
     result = {
-        "model": args.model, "heads": args.heads_path or "init_heads",
+        "model": args.model, "heads": args.heads,
         "prompts": args.prompts,
-        "max_new_tokens": args.max_new_tokens, "k": args.k, "rounds": args.rounds,
+        "max_new_tokens": args.max_new_tokens, "num_draft_tokens": args.num_draft_tokens, "rounds": args.rounds,
         "worker_cpus": args.worker_cpus, "cotrainer_cpus": args.cotrainer_cpus, "batch_tokens": args.batch_tokens,
         "median_off_tok_s": statistics.median(off), "median_on_tok_s": statistics.median(on),
         "ratio_of_medians": statistics.median(on) / statistics.median(off),
@@ -142,8 +150,9 @@ def main(argv: list[str] | None = None) -> dict | None:
     print(f"median off {result['median_off_tok_s']:.2f} tok/s, on {result['median_on_tok_s']:.2f} tok/s, "
           f"ratio {result['ratio_of_medians']:.3f} (median of pair ratios {result['median_pair_ratio']:.3f}); "
           f"load average {load0[0]:.1f} -> {result['loadavg_end'][0]:.1f} on {os.cpu_count()} cores")
-    if args.out:
-        atomic_write(args.out, json.dumps(result, indent=2) + "\n")
+    if args.out_dir:
+        atomic_write(Path(args.out_dir) / RESULT_NAME, json.dumps(result, indent=2) + "\n")
+        write_resolved(resolved, args.out_dir)
     return result
 
 

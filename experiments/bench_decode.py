@@ -1,12 +1,12 @@
 """Where decoding time goes, and plain vs speculative throughput, side by side in one run.
 
     python -m experiments.bench_decode [configs/bench_decode.yaml] [key=value ...]
-    (= mtp-rollout bench-decode ...; `help=true` lists every key)
+    (= mtp-rollout bench-decode ...; `--help` lists every key with the values a run uses)
 
 For every engine setting (dtype x eager/compiled) and batch size: compile first (timed apart),
 measure the verification-cost curve V(n) = cost(n-token forward) / cost(1-token forward), then
-`repeats` interleaved generations: plain (k = 0), speculative with fixed k, adaptive k, and any
-extra fixed k, all on the same prompts within a repeat (repeats rotate through the prompt list).
+`repeats` interleaved generations: plain (k = 0), speculative with each fixed k of `num_draft_tokens`
+and adaptive k up to the largest, all on the same prompts within a repeat (repeats rotate through the prompt list).
 Prints medians of tok/s, the median of per-repeat ratios to plain, acceptance, tau, the per-round
 time of draft / verify / accept / commit and adaptive k's rounds per k; writes JSON.
 
@@ -15,7 +15,6 @@ Function API (used by the vLLM side-by-side bench): `make_engine(...)` and
 """
 from __future__ import annotations
 
-import dataclasses
 import datetime as dt
 import json
 import statistics
@@ -27,6 +26,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from experiments.common import batch_of, machine
+from rollout.config_loader import config_help, load_config, packaged_config, wants_help
 from rollout.engine.config import EngineConfig
 from rollout.engine.round import PHASES
 from rollout.models.decoder import CausalLM
@@ -34,6 +34,7 @@ from rollout.models.dtypes import dtype_name
 from rollout.torch_engine import TorchEngine
 from rollout.types import SamplingParams
 
+DEFAULT_CONFIG = packaged_config("bench_decode")
 BENCH_PROMPTS = [
     "Write a haiku about the sea.",
     "Give me three tips for learning to cook.",
@@ -50,10 +51,10 @@ BENCH_PROMPTS = [
 class BenchDecodeConfig:
     model: str = "smollm2-135m"            # named model, .gguf file or HF directory
     heads: str = "shipped"                 # shipped | init | a heads checkpoint path
-    num_depths: int = 3                    # depths of the 'auto' heads
-    k: int = 3                             # fixed k of the speculative setting (also adaptive k's maximum)
-    extra_ks: list[int] = field(default_factory=list)   # more fixed-k settings, e.g. [1, 2]
-    adaptive: bool = True                  # also run adaptive k (EngineConfig.adaptive_k) with maximum k
+    num_depths: int = 1                    # depths of heads=init; a checkpoint's must match
+    num_draft_tokens: list[int] = field(default_factory=lambda: [3])   # fixed-k settings (each >= 1); the
+                                           # largest is adaptive k's maximum
+    adaptive: bool = True                  # also run adaptive k (EngineConfig.adaptive_k) up to the largest k
     draft_mode: str = "rejection"          # greedy | rejection
     batch_sizes: list[int] = field(default_factory=lambda: [1, 8])
     temperature: float = 1.0
@@ -67,17 +68,23 @@ class BenchDecodeConfig:
     json: str = ""                         # write all rows here
     log: str = ""                          # append a markdown table to this file (experiments/LOG.md)
 
+    def __post_init__(self) -> None:
+        from mtp_heads.shipped import check_heads_spec
+        check_heads_spec("heads", self.heads)
+        if not self.num_draft_tokens or min(self.num_draft_tokens) < 1:
+            raise ValueError(f"num_draft_tokens must list draft counts >= 1 (plain decoding always runs), "
+                             f"got {list(self.num_draft_tokens)}")
+
+    @property
+    def max_k(self) -> int:
+        return max(self.num_draft_tokens)
+
 
 def load_bench_config(argv: list[str]) -> tuple[BenchDecodeConfig, str]:
-    try:
-        from rollout.config_loader import load_config  # the shared loader (helper `layers`)
-        return load_config(BenchDecodeConfig, argv)
-    except ImportError:
-        from omegaconf import OmegaConf
-        base = OmegaConf.structured(BenchDecodeConfig)
-        files = [OmegaConf.load(a) for a in argv if "=" not in a]
-        cfg = OmegaConf.merge(base, *files, OmegaConf.from_dotlist([a for a in argv if "=" in a]))
-        return BenchDecodeConfig(**OmegaConf.to_container(cfg)), OmegaConf.to_yaml(cfg)
+    """configs/bench_decode.yaml first unless argv names a YAML file, then argv."""
+    if all("=" in a for a in argv):
+        argv = [str(DEFAULT_CONFIG), *argv]
+    return load_config(BenchDecodeConfig, argv)
 
 
 
@@ -127,11 +134,12 @@ def verify_cost_curve(engine: TorchEngine, prompts: list[list[int]], ns: list[in
 
 # ------------------------------------------------------------------------------ the study
 def settings(cfg: BenchDecodeConfig) -> list[tuple[str, int, bool]]:
-    """(name, k, adaptive) of every generation setting, plain first."""
-    out = [("plain", 0, False), (f"k={cfg.k}", cfg.k, False)]
+    """(name, k, adaptive) of every generation setting: plain, the largest k, adaptive k, the other ks."""
+    k = cfg.max_k
+    out = [("plain", 0, False), (f"k={k}", k, False)]
     if cfg.adaptive:
-        out.append((f"adaptive<={cfg.k}", cfg.k, True))
-    out += [(f"k={k}", k, False) for k in cfg.extra_ks if k != cfg.k]
+        out.append((f"adaptive<={k}", k, True))
+    out += [(f"k={j}", j, False) for j in dict.fromkeys(cfg.num_draft_tokens) if j != k]
     return out
 
 
@@ -197,15 +205,10 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:2] == ["--against", "vllm"]:         # ours vs vLLM side by side: experiments/bench_vllm.py
         from experiments.bench_vllm import main as against_vllm
         return against_vllm(argv[2:])
-    if any(a in ("-h", "--help", "help=true") for a in argv):
-        print(__doc__)
-        try:
-            from rollout.config_loader import config_help
-            print(config_help(BenchDecodeConfig))
-        except ImportError:
-            for f in dataclasses.fields(BenchDecodeConfig):
-                default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-                print(f"  {f.name} = {default}")
+    if wants_help(argv):
+        rest = [a for a in argv if not wants_help([a])]
+        print(config_help(BenchDecodeConfig, usage=__doc__,
+                          argv=rest if any("=" not in a for a in rest) else [str(DEFAULT_CONFIG), *rest]), end="")
         return 0
     cfg, resolved = load_bench_config(argv)
     torch.set_num_threads(cfg.threads)

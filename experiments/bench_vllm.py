@@ -1,6 +1,6 @@
 """Ours vs vLLM side by side: `mtp-rollout bench-decode --against vllm`.
 
-    mtp-rollout bench-decode --against vllm [configs/bench_vllm.yaml] [key=value ...]
+    mtp-rollout bench-decode --against vllm [configs/bench_vllm.yaml] [key=value ...]   (default: that file)
     python -m experiments.bench_vllm [configs/bench_vllm.yaml] [key=value ...]     (--help: every key)
 
 One process tree: for every setting (dtype x torch threads) the parent starts one child process per
@@ -52,8 +52,8 @@ class AgainstVLLMConfig:
 
     model: str = DEFAULT_MODEL          # named model, .gguf file or HF directory
     heads: str = "shipped"              # shipped | init | a heads checkpoint path
-    num_depths: int = 1                 # depths of 'auto' / 'init' heads (vLLM drafts with depth 1 only)
-    k: int = 3                          # draft tokens per round of the speculative variants
+    num_depths: int = 1                 # depths of heads=init (vLLM drafts with depth 1 only)
+    num_draft_tokens: int = 3           # draft tokens per round of the speculative variants
     draft_mode: str = "rejection"       # greedy | rejection
     temperature: float = 1.0            # sampling temperature of every engine (0 = greedy)
     max_new_tokens: int = 64            # per completion; EOS ignored so every call emits the same count
@@ -74,15 +74,17 @@ class AgainstVLLMConfig:
         bad = [e for e in self.engines if e not in VARIANTS]
         if bad or not self.engines:
             raise ValueError(f"engines must be a non-empty subset of {VARIANTS}, got {list(self.engines)}")
-        if self.repeats < 1 or self.k < 1 or self.max_new_tokens < 1:
-            raise ValueError("repeats, k and max_new_tokens must be >= 1")
+        if self.repeats < 1 or self.num_draft_tokens < 1 or self.max_new_tokens < 1:
+            raise ValueError("repeats, num_draft_tokens and max_new_tokens must be >= 1")
+        from mtp_heads.shipped import check_heads_spec
+        check_heads_spec("heads", self.heads)
 
 
 # --------------------------------------------------------------------------- child processes
 def engine_cores(kind: str, threads: int) -> list[int]:
     """The cores an engine's process computes on: vLLM's pinned OpenMP threads take cores 0..t-1, ours
-    the next t cores when the machine has them (else the same ones). Session 5 measured ours at 0.74x of
-    vLLM in this bench but at parity run alone, with ours unpinned beside vLLM's processes."""
+    the next t cores when the machine has them (else the same ones): left unpinned beside vLLM's
+    processes, ours ran well below its speed alone."""
     n = os.cpu_count() or 1
     first = threads if not kind.startswith("vllm") and n >= 2 * threads else 0
     return list(range(first, first + threads))
@@ -187,8 +189,8 @@ def _setting(ctx, cfg: AgainstVLLMConfig, dtype: str, threads: int, prompts) -> 
         for kind, wanted in kinds.items():
             if wanted:
                 engines[kind] = _Engine(ctx, cfg, kind, dtype, threads, prompts)
-        route = {"torch-plain": ("torch", 0), "torch-spec": ("torch", cfg.k),
-                 "vllm-plain": ("vllm-plain", 0), "vllm-spec": ("vllm-spec", cfg.k)}
+        route = {"torch-plain": ("torch", 0), "torch-spec": ("torch", cfg.num_draft_tokens),
+                 "vllm-plain": ("vllm-plain", 0), "vllm-spec": ("vllm-spec", cfg.num_draft_tokens)}
         runs: dict[tuple[int, str], list[dict]] = {}
         for b in cfg.batch_sizes:                          # warm-up: first-call allocations, compilation
             for v in cfg.engines:
@@ -263,7 +265,7 @@ def append_log(path: str, argv: list[str], result: dict) -> None:
     cfg = result["config"]
     head = [f"\n## {dt.date.today().isoformat()} — bench-decode --against vllm (commit {commit})\n",
             f"Command: `mtp-rollout bench-decode --against vllm {' '.join(argv)}`  ",
-            f"Machine: {result['machine']}; k={cfg['k']} {cfg['draft_mode']}, T={cfg['temperature']}, "
+            f"Machine: {result['machine']}; k={cfg['num_draft_tokens']} {cfg['draft_mode']}, T={cfg['temperature']}, "
             f"{cfg['max_new_tokens']} new tokens, {cfg['repeats']} repeats, vLLM "
             f"{'compiled' if cfg['vllm_compile'] else 'eager'}\n"]
     with open(path, "a") as f:
@@ -271,13 +273,15 @@ def append_log(path: str, argv: list[str], result: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from rollout.config_loader import config_help, load_config, wants_help
+    from rollout.config_loader import config_help, load_config, packaged_config, wants_help
 
     argv = sys.argv[1:] if argv is None else argv
-    if wants_help(argv):
-        print(__doc__ + "\n" + config_help(AgainstVLLMConfig))
+    rest = [a for a in argv if not wants_help([a])]
+    layers = rest if any("=" not in a for a in rest) else [str(packaged_config("bench_vllm")), *rest]
+    if wants_help(argv):         # the defaults shown are those a run with this argv uses
+        print(config_help(AgainstVLLMConfig, usage=__doc__, argv=layers), end="")
         return 0
-    cfg, _ = load_config(AgainstVLLMConfig, argv)
+    cfg, _ = load_config(AgainstVLLMConfig, layers)
     result = run(cfg)
     if cfg.json:
         with open(cfg.json, "w") as f:

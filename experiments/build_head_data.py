@@ -26,6 +26,7 @@ from mtp_heads.data.sharegpt import ChatEncoder, load_conversations, split_conve
 from mtp_heads.data.token_store import StoreWriter, TokenStore
 from rollout.config_loader import config_help, load_config, wants_help
 from rollout.models.default_model import cache_dir
+from rollout.models.flat_weights import weights_digest
 from rollout.models.loaders import load_policy
 
 HELDOUT_SALT = "heldout-v1"
@@ -64,7 +65,7 @@ class HeadDataConfig:
 
     model: str = "smollm2-135m"       # a named model, .gguf file or HF directory
     compute_dtype: str = "float32"    # policy forward dtype; states are stored as bf16 either way
-    out: str = ""                     # store root; "" = $MTP_ROLLOUT_CACHE/head_data/<model>-len<max_len>
+    out_dir: str = ""                 # store root; "" = $MTP_ROLLOUT_CACHE/head_data/<model>-len<max_len>
     threads: int = 1                  # torch threads (2 ran 4x slower than 1 on the busy shared cores)
     max_len: int = 512                # tokens per sequence (longer conversations are cut)
     max_batch_tokens: int = 4096      # padded tokens per teacher-forcing forward
@@ -89,18 +90,9 @@ def log(msg: str) -> None:
 
 
 def store_root(cfg: HeadDataConfig) -> Path:
-    if cfg.out:
-        return Path(cfg.out).expanduser()
+    if cfg.out_dir:
+        return Path(cfg.out_dir).expanduser()
     return cache_dir() / "head_data" / f"{Path(cfg.model).stem}-len{cfg.max_len}"
-
-
-def weights_digest(policy) -> str:
-    """Every 997th weight of every tensor, in float32: tells two policies of one architecture apart."""
-    h = hashlib.sha256()
-    for name, t in sorted(policy.state_dict().items()):
-        h.update(name.encode())
-        h.update(t.detach().flatten()[::997].float().cpu().numpy().tobytes())
-    return h.hexdigest()[:16]
 
 
 def store_meta(cfg: HeadDataConfig, policy, loaded) -> dict:

@@ -43,6 +43,20 @@ def batch_of(prompts_ids: list[list[int]], batch_size: int, offset: int) -> list
     return [prompts_ids[(offset + i) % len(prompts_ids)] for i in range(batch_size)]
 
 
+def check_cells(rl_config: str, rl: list[str], cells: dict[str, list[str]], what: str = "cell") -> None:
+    """Load the run config of every cell now ([rl_config, *rl, *cell overrides]), so that a misspelt key
+    or a bad value in one cell fails when the study's config loads, naming the cell, not hours later
+    when that cell's turn comes."""
+    from trainers.config import load_run_config
+
+    base = [str(packaged_config(rl_config)), *rl]
+    for name, overrides in cells.items():
+        try:
+            load_run_config([*base, *overrides])
+        except ValueError as e:
+            raise ValueError(f"{what} {name!r} ({rl_config} + rl + its overrides): {e}") from None
+
+
 def run_cell(cfg, name: str, overrides: list[str], out: Path) -> Path:
     """One RL run directory under runs/<name>; resumed if it stopped early, reused if complete.
 

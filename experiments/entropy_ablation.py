@@ -14,7 +14,7 @@ with 95% bootstrap intervals (rollout.monitor), mean acceptance rate, acceptance
 speed over plain decoding, and the same per task domain. Entropy rises because the RL preset ramps
 the sampling temperature and the entropy bonus over the run (configs/async_rl.yaml).
 
-out_dir holds heads/<objective>.safetensors, runs/<cell>/ (full RL run directories) and the results:
+out_dir holds heads/<objective>/ (train-heads' out_dir), runs/<cell>/ (full RL run directories) and the results:
 ablation.json, ablation.csv, ablation.md (cells and per-domain tables) and ablation.png (a panel
 per draft mode, a line per objective). Finished heads and runs are reused, interrupted ones resumed,
 so re-running the command continues a grid; `results_dir` gets a copy of the four result files.
@@ -30,7 +30,8 @@ from pathlib import Path
 
 import numpy as np
 
-from experiments.common import copy_results, finish_mode_panel, fmt_num, mode_panels, run_cell, summarize_run
+from experiments.common import (check_cells, copy_results, finish_mode_panel, fmt_num, mode_panels, run_cell,
+                                summarize_run)
 from mtp_heads.distill import check_objective
 from rollout.config_loader import packaged_config, preset_main, write_resolved
 from rollout.fileio import atomic_write
@@ -51,7 +52,8 @@ class AblationConfig:
     objectives: list[str] = field(default_factory=lambda: ["ce", "fkl", "tv", "tv_e2e"])  # head losses
     draft_modes: list[str] = field(default_factory=lambda: ["greedy", "rejection"])       # greedy and/or rejection
     heads_config: str = "heads_smollm2"   # train-heads preset (configs/<name>.yaml) or a YAML path
-    heads: list[str] = field(default_factory=list)   # key=value overrides of every head training (same for all)
+    heads_overrides: list[str] = field(default_factory=list)   # key=value overrides of every head training
+                                                               # (same for all objectives)
     head_steps: int = 400                 # steps of each objective's single training phase
     head_lr: float = 2e-3                 # its peak learning rate
     rl_config: str = "async_rl"           # RL preset every cell runs (configs/<name>.yaml) or a YAML path
@@ -69,26 +71,52 @@ class AblationConfig:
         check_draft_modes(self.draft_modes)
         if self.head_steps < 1 or not self.head_lr > 0:
             raise ValueError(f"need head_steps >= 1 and head_lr > 0, got {self.head_steps}, {self.head_lr}")
-        for key, entries in (("heads", self.heads), ("rl", self.rl)):
+        for key, entries in (("heads_overrides", self.heads_overrides), ("rl", self.rl)):
             bad = [e for e in entries if "=" not in e]
             if bad:
                 raise ValueError(f"{key} entries must be key=value overrides, got {bad}")
+        self.check_cells()
+
+    def check_cells(self) -> None:
+        """Every head training and every cell's run config loads: a bad key fails now, naming the cell."""
+        from experiments.pretrain_heads import load_train_heads_config
+
+        for objective in self.objectives:
+            try:
+                load_train_heads_config(head_training_argv(self, objective, Path(self.out_dir)))
+            except ValueError as e:
+                raise ValueError(f"head training of objective {objective!r} ({self.heads_config} + "
+                                 f"heads_overrides): {e}") from None
+        cells = {f"{mode}-{o}": cell_overrides(o, mode, objective_heads_path(Path(self.out_dir), o))
+                 for o in self.objectives for mode in self.draft_modes}
+        check_cells(self.rl_config, self.rl, {**({PLAIN: PLAIN_OVERRIDES} if self.plain_baseline else {}), **cells})
 
 
 
 # ----------------------------------------------------------------------------------- the grid
 
 
+def objective_heads_path(out: Path, objective: str) -> Path:
+    """heads/<objective>/heads.safetensors: what train-heads writes into out_dir=heads/<objective>."""
+    from mtp_heads.shipped import HEADS_FILE
+    return out / "heads" / objective / HEADS_FILE
+
+
+def head_training_argv(cfg: AblationConfig, objective: str, out: Path) -> list[str]:
+    phase = f"train.phases=[{{objective: {objective}, steps: {cfg.head_steps}, lr: {cfg.head_lr}}}]"
+    return [str(packaged_config(cfg.heads_config)), *cfg.heads_overrides, phase,
+            f"out_dir={objective_heads_path(out, objective).parent}", f"progress={str(cfg.progress).lower()}"]
+
+
 def train_objective_heads(cfg: AblationConfig, objective: str, out: Path) -> Path:
-    """heads/<objective>.safetensors, trained once with the shared preset and overrides."""
+    """heads/<objective>/heads.safetensors, trained once with the shared preset and overrides."""
     from experiments import pretrain_heads
 
-    path = out / "heads" / f"{objective}.safetensors"
+    path = objective_heads_path(out, objective)
     if path.with_suffix(".run.json").is_file():
         return path                                    # finished earlier
     path.parent.mkdir(parents=True, exist_ok=True)
-    phase = f"train.phases=[{{objective: {objective}, steps: {cfg.head_steps}, lr: {cfg.head_lr}}}]"
-    argv = [str(packaged_config(cfg.heads_config)), *cfg.heads, phase, f"out={path}", f"progress={str(cfg.progress).lower()}"]
+    argv = head_training_argv(cfg, objective, out)
     if path.is_file():
         argv.append("resume=true")                     # interrupted: continue from its checkpoint
     pretrain_heads.main(argv)
@@ -96,7 +124,7 @@ def train_objective_heads(cfg: AblationConfig, objective: str, out: Path) -> Pat
 
 
 def cell_overrides(objective: str, mode: str, heads_path: Path) -> list[str]:
-    return ["heads=path", f"accelerator.heads_path={heads_path}", f"sampling.draft_mode={mode}",
+    return [f"heads={heads_path}", f"sampling.draft_mode={mode}",
             f"accelerator.cotrainer.loss={objective}"]
 
 

@@ -2,12 +2,12 @@
 sampling temperature scanned so that entropy moves: each cell's curve in minutes, without RL.
 
     mtp-rollout sweep                                          # configs/sweep.yaml: SmolLM2 + its shipped heads
-    mtp-rollout sweep 'heads=[ce=runs/h/ce.safetensors,tv=runs/h/tv.safetensors]' out_dir=runs/sweep/objectives
+    mtp-rollout sweep 'head_files=[ce=runs/h/ce/heads.safetensors,tv=runs/h/tv/heads.safetensors]' out_dir=runs/sweep/objectives
     mtp-rollout sweep 'temperatures=[0.5,1.0,1.5]' prompts=8 max_new_tokens=64 'draft_modes=[rejection]'
     mtp-rollout sweep --help                                   # every key, its default and meaning
 
-Cells are draft_modes x heads files; every cell decodes the same held-out chat prompts at every
-temperature with a fixed k (the measurement is experiments/sweep_measure.py). Written into out_dir (which
+Cells are draft_modes x head_files; every cell decodes the same held-out chat prompts at every
+temperature with a fixed num_draft_tokens (the measurement is experiments/sweep_measure.py). Written into out_dir (which
 must be empty unless overwrite=true): config.yaml, sweep.jsonl (one record per cell and temperature),
 sweep.csv (the same records, flat columns), sweep.md (the tables) and sweep.png (a panel per draft
 mode, a line per heads file). CSV, tables and figure are rewritten after each cell.
@@ -44,16 +44,16 @@ FILES = ("sweep.jsonl", "sweep.csv", "sweep.md", "sweep.png")
 
 @dataclass(frozen=True)
 class SweepConfig:
-    """One entropy sweep: cells = draft_modes x heads, each at every temperature."""
+    """One entropy sweep: cells = draft_modes x head_files, each at every temperature."""
 
     model: str = "smollm2-135m"         # `smollm2-135m`, `tiny-random`, a .gguf file or an HF directory
-    heads: list[str] = field(default_factory=list)   # head checkpoints as name=path (a bare path is named
-                                                     # by its file stem); [] = the heads shipped for `model`
+    head_files: list[str] = field(default_factory=list)   # head checkpoints as name=path (a bare path is
+                                                          # named by its file stem); [] = the shipped heads
     draft_modes: list[str] = field(default_factory=lambda: ["greedy", "rejection"])   # greedy and/or rejection
     temperatures: list[float] = field(default_factory=lambda: [0.3, 0.5, 0.7, 1.0, 1.3, 1.6])   # each > 0
     prompts: int = 16                   # held-out chat prompts (the 8 built-in held-out messages, cycled)
     max_new_tokens: int = 96            # tokens per completion at most
-    k: int = 3                          # draft tokens per round (fixed)
+    num_draft_tokens: int = 3           # draft tokens per round (fixed)
     batch_size: int = 8                 # prompts decoded together
     seed: int = 0                       # sampling seed: batch b uses seed + b at every temperature and cell
     n_bins: int = 10                    # quantile entropy bins of the per-position slopes
@@ -67,42 +67,42 @@ class SweepConfig:
         check_temperatures(self.temperatures)
         check_draft_modes(self.draft_modes)
         self.settings()
-        parse_heads(self.heads)
+        parse_heads(self.head_files)
         if self.prompts < 1:
             raise ValueError(f"prompts must be >= 1, got {self.prompts}")
         if self.threads < 0:
             raise ValueError(f"threads must be >= 0 (0 = leave as is), got {self.threads}")
 
     def settings(self) -> SweepSettings:
-        return SweepSettings(k=self.k, max_new_tokens=self.max_new_tokens, batch_size=self.batch_size,
+        return SweepSettings(num_draft_tokens=self.num_draft_tokens, max_new_tokens=self.max_new_tokens, batch_size=self.batch_size,
                              seed=self.seed, n_bins=self.n_bins, n_boot=self.n_boot)
 
 
 def parse_heads(entries: list[str]) -> dict[str, Path]:
-    """name=path entries -> {name: path}; ValueError naming `heads` for a missing file or a name used twice."""
+    """name=path entries -> {name: path}; ValueError naming `head_files` for a missing file or a name used twice."""
     out: dict[str, Path] = {}
     for entry in entries:
         name, sep, path = str(entry).partition("=")
         name, path = (name.strip(), path.strip()) if sep else (Path(entry).stem, str(entry))
         if not name or not path:
-            raise ValueError(f"heads: entry {entry!r} must be name=path (or a path)")
+            raise ValueError(f"head_files: entry {entry!r} must be name=path (or a path)")
         if not Path(path).expanduser().is_file():
-            raise ValueError(f"heads: no head checkpoint at {path} (entry {entry!r}); give name=path of a file "
+            raise ValueError(f"head_files: no head checkpoint at {path} (entry {entry!r}); give name=path of a file "
                              "written by `mtp-rollout train-heads`")
         if name in out:
-            raise ValueError(f"heads: the name {name!r} is used twice ({entries}); names label the figure's lines")
+            raise ValueError(f"head_files: the name {name!r} is used twice ({entries}); names label the figure's lines")
         out[name] = Path(path).expanduser()
     return out
 
 
 def load_head_files(policy, cfg: SweepConfig) -> dict[str, tuple]:
-    """{name: (heads, meta, path)} for cfg.heads, or the heads shipped for cfg.model."""
-    files = parse_heads(cfg.heads)
+    """{name: (heads, meta, path)} for cfg.head_files, or the heads shipped for cfg.model."""
+    files = parse_heads(cfg.head_files)
     if files:
         return {name: (*load_heads(path, policy), str(path)) for name, path in files.items()}
     shipped = load_shipped_heads(policy, cfg.model)
     if shipped is None:
-        raise ValueError(f"heads: no heads are shipped for model {cfg.model!r}; pass heads=[name=path,...]")
+        raise ValueError(f"head_files: no heads are shipped for model {cfg.model!r}; pass head_files=[name=path,...]")
     return {"shipped": (*shipped, str(shipped_heads_path(cfg.model)))}
 
 
@@ -126,7 +126,7 @@ def _fit(d: dict | None) -> str:
 def tables(records: list[dict], cfg: SweepConfig) -> str:
     """sweep.md: one row per cell and temperature, then one row per cell with its slopes."""
     lines = [f"# Entropy sweep ({dt.date.today().isoformat()})", "",
-             f"model `{cfg.model}`, k = {cfg.k}, {cfg.prompts} held-out prompts x {cfg.max_new_tokens} new tokens, "
+             f"model `{cfg.model}`, k = {cfg.num_draft_tokens}, {cfg.prompts} held-out prompts x {cfg.max_new_tokens} new tokens, "
              f"seed {cfg.seed}", "",
              "| heads | mode | T | mean entropy (nats) | acceptance rate | cond. acceptance per position | tau "
              "| per-position slope at T [95% CI] | rounds | tok/s |",

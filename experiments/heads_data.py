@@ -23,6 +23,7 @@ from tqdm.auto import tqdm
 from mtp_heads.token_data import TokenData
 from rollout.models.decoder import CausalLM
 from rollout.models.default_model import cache_dir
+from rollout.models.flat_weights import weights_digest
 from rollout.torch_engine import TorchEngine
 from rollout.types import SamplingParams
 
@@ -105,15 +106,6 @@ def chat_prompts(encode: Callable[[str], list[int]], n: int, *, held_out: bool, 
     template, or bytes for the tiny test model)."""
     chosen = prompt_texts(n, held_out=held_out, task_prompts=task_prompts, task_fraction=task_fraction)
     return [encode(t) for t in chosen]
-
-
-def weights_digest(policy: CausalLM) -> str:
-    """Cheap fingerprint of the weights (every 997th value of every tensor): keys the data cache."""
-    h = hashlib.sha256()
-    for name, t in sorted(policy.state_dict().items()):
-        h.update(name.encode())
-        h.update(t.detach().flatten()[::997].float().cpu().numpy().tobytes())
-    return h.hexdigest()[:16]
 
 
 def data_cache_path(policy: CausalLM, prompts: list[list[int]], cfg: GenerateConfig, split: str) -> Path:

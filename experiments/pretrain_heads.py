@@ -8,9 +8,9 @@
 The first argument may be a preset name (a YAML file in configs/) or a YAML path; `key=value`
 overrides follow, exactly like `mtp-rollout run`. Data: a token store (data.store, built by
 experiments/build_head_data.py) or, without one, the policy's own rollouts (data.generate).
-Writes the heads (safetensors + .json header), `<out>.train.pt` (optimizer state for resume),
-`<out>.run.json` (resolved config, losses, the held-out/training acceptance curve, timings) and
-`<out>.config.yaml`.
+Writes into out_dir: heads.safetensors (the heads, header inside), heads.train.pt (optimizer state
+for resume), heads.run.json (resolved config, losses, the held-out/training acceptance curve,
+timings) and heads.config.yaml.
 """
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ from mtp_heads.checkpoint import read_meta
 from mtp_heads.evaluate import EvalSet, format_acceptance, teacher_forced_acceptance
 from mtp_heads.heads import MTPHeads
 from mtp_heads.pretrain import SHIPPED_INIT, TrainConfig, train_heads
-from mtp_heads.shipped import shipped_heads_path, trained_heads_path
+from mtp_heads.shipped import HEADS_FILE, shipped_heads_path, trained_heads_path
 from mtp_heads.token_data import draft_vocab_from_counts, trained_token_counts
 from rollout.config_loader import CONFIGS_DIR, config_help, load_config, packaged_config, wants_help
 from rollout.fileio import atomic_write
@@ -73,8 +73,9 @@ class TrainHeadsConfig:
     """One head pre-training run."""
 
     model: str = "smollm2-135m"         # named model, .gguf file or HF directory
-    out: str = ""                       # head checkpoint path; "" = $MTP_ROLLOUT_CACHE/heads/<model>.safetensors
-    resume: bool = False                # continue from `out`'s checkpoint (same config) instead of starting over
+    out_dir: str = ""                   # the heads go to <out_dir>/heads.safetensors (reports beside them);
+                                        # "" = $MTP_ROLLOUT_CACHE/heads/<model>/, where heads=shipped finds them
+    resume: bool = False                # continue from out_dir's checkpoint (same config) instead of starting over
     threads: int = 0                    # torch threads (0 = leave as is)
     progress: bool = True               # a tqdm bar
     data: DataConfig = field(default_factory=DataConfig)
@@ -155,6 +156,11 @@ def draft_vocab_for(cfg: TrainHeadsConfig, policy, train) -> torch.Tensor | None
     return draft_vocab_from_counts(counts, cfg.train.draft_vocab_size, always=policy.config.eos_token_ids)
 
 
+def heads_file(cfg: TrainHeadsConfig) -> Path:
+    """<out_dir>/heads.safetensors, or the cached heads of cfg.model that heads=shipped falls back to."""
+    return Path(cfg.out_dir).expanduser() / HEADS_FILE if cfg.out_dir else trained_heads_path(cfg.model)
+
+
 def with_shipped_init(cfg: TrainHeadsConfig) -> TrainHeadsConfig:
     """train.init=shipped: fine-tune the heads shipped for cfg.model (mtp_heads/default_heads)."""
     if cfg.train.init != SHIPPED_INIT:
@@ -172,8 +178,8 @@ def run(cfg: TrainHeadsConfig, resolved: str = "", policy=None, loaded=None) -> 
         torch.set_num_threads(cfg.threads)
     cfg = with_shipped_init(cfg)
     t0 = time.perf_counter()
-    out = Path(cfg.out).expanduser() if cfg.out else trained_heads_path(cfg.model)
-    check_writable(out.parent, "out directory")     # before the model, the data and minutes of training
+    out = heads_file(cfg)
+    check_writable(out.parent, "out_dir")     # before the model, the data and minutes of training
     check_writable(cache_dir(), "the cache ($MTP_ROLLOUT_CACHE), where evaluation sets and generated data are kept")
     encode = None                              # task text -> prompt ids, needed only to generate data
     if policy is None:
@@ -242,7 +248,7 @@ def run(cfg: TrainHeadsConfig, resolved: str = "", policy=None, loaded=None) -> 
                          meta_defaults=meta, progress=cfg.progress, on_eval=on_eval, eval_at_start=ev.at_start)
     train_s = time.perf_counter() - t_train
     from experiments.common import cpu_name
-    report = {"config": resolved, "out": str(out), "data": data_desc, "threads": torch.get_num_threads(),
+    report = {"config": resolved, "out": str(out), "out_dir": str(out.parent), "data": data_desc, "threads": torch.get_num_threads(),
               "machine": f"{os.cpu_count()} cores of {cpu_name()}",
               "steps": result.steps, "losses": result.losses, "history": result.history,
               "final": result.history[-1] if result.history else None,

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from experiments.common import copy_results, fmt_num, run_cell, summarize_run
+from experiments.common import check_cells, copy_results, fmt_num, run_cell, summarize_run
 from rollout.config_loader import packaged_config, preset_main, write_resolved
 from rollout.fileio import atomic_write
 from rollout.monitor.monitor import AcceptanceMonitor
@@ -55,6 +55,7 @@ class RefreshStudyConfig:
             bad = [e for e in entries if "=" not in e]
             if bad:
                 raise ValueError(f"{name} entries must be key=value overrides, got {bad}")
+        check_cells(self.rl_config, self.rl, {k: list(v) for k, v in self.schedules.items()}, what="schedule")
 
 
 def summarize_schedule(name: str, run_dir: Path) -> dict:

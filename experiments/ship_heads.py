@@ -1,8 +1,9 @@
 """Turn a finished train-heads run into the shipped default heads: bf16 safetensors + model card.
 
-    python -m experiments.ship_heads <out>.safetensors [--model smollm2-135m] [--command "..."] [--wall-s N]
+    python -m experiments.ship_heads <train-heads out_dir> [--model smollm2-135m] [--command "..."] [--wall-s N]
 
-Reads the checkpoint and its `<out>.run.json` (written by experiments/pretrain_heads.py) and writes
+Reads <out_dir>/heads.safetensors and its heads.run.json (written by experiments/pretrain_heads.py; a
+heads file may be given instead of the directory) and writes
 mtp_heads/default_heads/<model>.safetensors (weights in bfloat16, draft vocabulary, header) and
 <model>.md (the model card: data, tokens, steps, seed, commit, objective schedule, held-out
 acceptance per position at each temperature in both draft modes, the reproducing command, cost).
@@ -19,7 +20,7 @@ import torch
 
 from experiments.common import cpu_name
 from mtp_heads.checkpoint import load_heads, read_meta, save_heads
-from mtp_heads.shipped import SHIPPED, SHIPPED_DIR
+from mtp_heads.shipped import HEADS_FILE, SHIPPED, SHIPPED_DIR
 
 MAX_BYTES = 32 * 2**20
 
@@ -100,11 +101,13 @@ def _seed(cfg_yaml: str) -> str:
 
 def main(argv: list[str] | None = None) -> Path:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("checkpoint")
+    ap.add_argument("checkpoint", help="train-heads' out_dir, or the heads file in it")
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--command", default="mtp-rollout train-heads heads_smollm2")
     ap.add_argument("--wall-s", type=float, default=None, help="wall time of the whole run (resumes included)")
     a = ap.parse_args(argv)
+    if Path(a.checkpoint).is_dir():
+        a.checkpoint = str(Path(a.checkpoint) / HEADS_FILE)
     from rollout.models.loaders import load_policy
     policy, _ = load_policy(a.model, "float32")
     heads, meta = load_heads(a.checkpoint, policy)

@@ -6,7 +6,7 @@ curve costs a whole run. Temperature moves the entropy of the target p (and, thr
 `process_logits`, of the draft q) with nothing trained, so each (draft mode, heads) cell's curve
 is a few decoding passes.
 
-    settings = SweepSettings(k=3, max_new_tokens=96, batch_size=8)
+    settings = SweepSettings(num_draft_tokens=3, max_new_tokens=96, batch_size=8)
     records, points = [], []
     for t in check_temperatures([0.5, 1.0, 1.5]):                 # one cell: engine's heads, one mode
         record, pts = temperature_record(decode_at(engine, prompts, "rejection", t, settings), settings)
@@ -53,7 +53,7 @@ def check_temperatures(temperatures: Sequence[float]) -> list[float]:
 class SweepSettings:
     """What every cell decodes with; the cell adds the draft mode and heads, the scan the temperature."""
 
-    k: int = 3                  # drafts per round (fixed: adaptive k would change what is measured)
+    num_draft_tokens: int = 3   # drafts per round (fixed: adaptive k would change what is measured)
     max_new_tokens: int = 96    # tokens per completion at most
     batch_size: int = 8         # prompts decoded together
     seed: int = 0               # batch b of every temperature and cell is sampled with seed + b
@@ -61,7 +61,7 @@ class SweepSettings:
     n_boot: int = 1000          # bootstrap resamples per slope interval
 
     def __post_init__(self) -> None:
-        for name, low in (("k", 1), ("max_new_tokens", 1), ("batch_size", 1), ("n_bins", 3), ("n_boot", 0),
+        for name, low in (("num_draft_tokens", 1), ("max_new_tokens", 1), ("batch_size", 1), ("n_bins", 3), ("n_boot", 0),
                           ("seed", 0)):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < low:
@@ -88,7 +88,7 @@ def decode_at(engine: TorchEngine, prompts: list[list[int]], draft_mode: str, te
     completions, t0 = [], time.perf_counter()
     for b, start in enumerate(range(0, len(prompts), settings.batch_size)):
         sp = SamplingParams(max_new_tokens=settings.max_new_tokens, temperature=temperature,
-                            num_draft_tokens=settings.k, draft_mode=draft_mode, seed=settings.seed + b)
+                            num_draft_tokens=settings.num_draft_tokens, draft_mode=draft_mode, seed=settings.seed + b)
         completions += engine.generate(prompts[start:start + settings.batch_size], sp, progress).completions
     return TemperatureRun(draft_mode, temperature, completions, time.perf_counter() - t0)
 
@@ -105,7 +105,7 @@ def _subset(points: PositionPoints, keep: np.ndarray) -> PositionPoints:
 def temperature_record(run: TemperatureRun, settings: SweepSettings) -> tuple[dict, PositionPoints]:
     """One temperature's record and its per-position points (add_cell_slopes pools them)."""
     block, points = group_stats(run.completions)
-    k = settings.k
+    k = settings.num_draft_tokens
     reached = np.bincount(points.position[points.reached], minlength=k)[:k]              # [k]
     accepted = np.bincount(points.position[points.accepted], minlength=k)[:k]            # [k]
     with np.errstate(invalid="ignore", divide="ignore"):

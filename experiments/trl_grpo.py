@@ -26,10 +26,10 @@ import numpy as np
 import ray
 import torch
 
-from mtp_heads.heads import MTPHeads, init_heads
-from mtp_heads.shipped import resolve_heads
+from mtp_heads.heads import MTPHeads
+from mtp_heads.shipped import check_heads_spec, resolve_heads
 from rollout.accelerator import AcceleratorConfig, RolloutAccelerator
-from rollout.config_loader import config_help, load_config, packaged_config, wants_help, write_resolved
+from rollout.config_loader import packaged_config, preset_main, wants_help, write_resolved
 from rollout.models.decoder import CausalLM
 from rollout.models.default_model import cache_dir
 from rollout.models.loaders import LoadedModel, export_hf_dir, load_policy
@@ -74,7 +74,7 @@ class TRLRunConfig:
     tasks: TaskConfig = dataclasses.field(default_factory=TaskConfig)
     num_draft_tokens: int = 3           # k drafted per round by the MTP heads; 0 = plain decoding
     draft_mode: str = "rejection"       # greedy | rejection
-    heads: str = "pretrained"           # pretrained (cached `train-heads` result) | init | path (accelerator.heads_path)
+    heads: str = "shipped"              # shipped (the package's or train-heads' cached heads) | init | a checkpoint path
     hf_dir: str = ""                    # HF export of accelerator.model; "" = <cache>/hf/<model name>
     out_dir: str = "runs/trl_grpo/${now:%Y%m%d-%H%M%S}"   # the run directory; must not hold another run
     compare_without_speculation: bool = False   # then a second run, k=0, same settings, in <out_dir>/no_spec
@@ -84,8 +84,10 @@ class TRLRunConfig:
     def __post_init__(self) -> None:
         if self.draft_mode not in DRAFT_MODES:
             raise ValueError(f"draft_mode must be one of {DRAFT_MODES}, got {self.draft_mode!r}")
-        if self.heads not in ("pretrained", "init", "path"):
-            raise ValueError(f"heads must be pretrained, init or path, got {self.heads!r}")
+        check_heads_spec("heads", self.heads)
+        if self.accelerator.heads != self.heads:
+            raise ValueError(f"accelerator.heads={self.accelerator.heads!r} differs from heads={self.heads!r}; "
+                             "set heads=... (accelerator.heads follows it)")
 
 
 # ------------------------------------------------------------------------------ setup
@@ -102,13 +104,9 @@ def hf_export(cfg: TRLRunConfig, loaded: LoadedModel) -> Path:
     return out
 
 
-def make_heads(cfg: TRLRunConfig, policy: CausalLM, loaded: LoadedModel) -> MTPHeads | None:
+def make_heads(cfg: TRLRunConfig, policy: CausalLM, loaded: LoadedModel) -> MTPHeads:
     acc = cfg.accelerator
-    if cfg.heads == "init":
-        return init_heads(policy, acc.num_depths, seed=cfg.seed)
-    if cfg.heads == "path":
-        return None                                       # the accelerator loads accelerator.heads_path
-    return resolve_heads(policy, "shipped", model=acc.model, num_depths=acc.num_depths)[0]
+    return resolve_heads(policy, cfg.heads, model=acc.model, num_depths=acc.num_depths, seed=cfg.seed)[0]
 
 
 def freeze_all_but_last(model: torch.nn.Module, n_layers: int) -> list[str]:
@@ -242,14 +240,9 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point (`mtp-rollout trl-grpo`): YAML files and key=value overrides; without a YAML
     file configs/trl_grpo.yaml comes first."""
     argv = sys.argv[1:] if argv is None else list(argv)
-    if wants_help(argv):
-        print(config_help(TRLRunConfig, usage=USAGE))
-        return 0
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    if all("=" in a for a in argv):
-        argv = [str(DEFAULT_CONFIG), *argv]
-    run(*load_config(TRLRunConfig, argv))
-    return 0
+    if not wants_help(argv):
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    return preset_main(TRLRunConfig, DEFAULT_CONFIG, lambda cfg, resolved: run(cfg, resolved), argv, usage=USAGE)
 
 
 if __name__ == "__main__":

@@ -31,7 +31,8 @@ from rollout.models.default_model import cache_dir
 
 META_KEY = "mtp_rollout_heads"
 DRAFT_VOCAB_KEY = "draft_vocab"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2                       # what save_heads writes
+SUPPORTED_FORMAT_VERSIONS = (FORMAT_VERSION,)   # what read_meta accepts (format 1 named `depths.j.block.*`)
 
 
 @dataclass(frozen=True)
@@ -94,7 +95,7 @@ def save_heads(path: str | os.PathLike, heads: MTPHeads, meta: HeadMeta) -> Head
         raise ValueError(f"HeadMeta {given} does not describe these heads {expected} (fingerprint, hidden "
                          "size, vocab size, depths, layers per depth); build it with HeadMeta.for_heads")
     vocab = draft_vocab_of(heads)
-    meta = _replace(meta, created=meta.created or time.time(),
+    meta = _replace(meta, created=meta.created or time.time(), format_version=FORMAT_VERSION,
                     draft_vocab_size=0 if vocab is None else int(vocab.numel()))
     tensors = {k: v.detach().to("cpu").contiguous() for k, v in heads.state_dict().items()}
     if vocab is not None:
@@ -123,9 +124,16 @@ def read_meta(path: str | os.PathLike) -> HeadMeta:
         raise ValueError(f"{path} is a safetensors file without an MTP-head header ({META_KEY!r}); "
                          "it was not written by mtp_heads.checkpoint.save_heads")
     try:
-        return HeadMeta.from_json(header)
+        raw = json.loads(header)
+        version = raw.get("format_version") if isinstance(raw, dict) else None
+        meta = None if version not in SUPPORTED_FORMAT_VERSIONS else HeadMeta.from_json(header)
     except (ValueError, TypeError) as e:
         raise ValueError(f"{path}: the MTP-head header is not valid JSON metadata ({e})") from None
+    if meta is None:
+        supported = ", ".join(map(str, SUPPORTED_FORMAT_VERSIONS))
+        raise ValueError(f"{path}: head checkpoint format_version {version!r} is not supported (this version of "
+                         f"mtp-rollout reads format_version {supported}); re-train them with `mtp-rollout train-heads`")
+    return meta
 
 
 def check_meta(meta: HeadMeta, policy: CausalLM, where: str | os.PathLike = "?") -> None:

@@ -104,7 +104,7 @@ class HeadCoTrainer:
         if config.steps_per_refresh < 1 or config.batch_tokens < 1 or config.replay_capacity < 1:
             raise ValueError("steps_per_refresh, batch_tokens and replay_capacity must all be >= 1")
         if num_threads is not None:
-            torch.set_num_threads(num_threads)   # DESIGN.md: match the actor's CPU share
+            torch.set_num_threads(num_threads)   # match the actor's CPU share (oversubscribed is slower)
         self.config = config
         self.device = device
         self.policy = policy_from_flat(policy_config, policy_weights, config.policy_dtype, device)

@@ -21,7 +21,7 @@ import torch
 
 from mtp_heads.losses import TV_EPS
 
-# Rows per chunk; chosen with experiments/bench_tv_loss.py (see experiments/LOG.md).
+# Rows per chunk; chosen with experiments/bench_tv_loss.py (measurements: docs/performance.md).
 DEFAULT_CHUNK_SIZE = 1024   # N=8192, d=576, V=49152: 4.4% of naive memory, 0.77x its time
 
 

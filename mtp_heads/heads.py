@@ -7,9 +7,9 @@ hidden state for j = 1) and the embedding of token x_{i+j}, and predicts x_{i+j+
     q_j(. | x_<=i+j) = softmax(W h^j_i / T)
 
 `blocks_j` is one decoder layer (DeepSeek-V3, EAGLE) or a stack of `num_layers` of them (on
-SmolLM2-135M a second layer bought nothing over one at equal data and steps: experiments/LOG.md,
-session 5). The embedding `emb` and the LM head `W` are the policy's own (shared and
-frozen), so a head checkpoint only holds the per-depth modules. Drafting k > D tokens reuses depth D.
+SmolLM2-135M a second layer buys nothing over one at equal data and steps). The embedding `emb`
+and the LM head `W` are the policy's own (shared and frozen), so a head checkpoint only holds
+the per-depth modules. Drafting k > D tokens reuses depth D.
 """
 from __future__ import annotations
 
@@ -49,13 +49,8 @@ class MTPDepth(nn.Module):
         return self.norm(x)
 
 
-def renamed_single_block(state_dict: dict) -> dict:
-    """Checkpoints from before stacked blocks name the one layer `depths.j.block.*`: now `blocks.0`."""
-    return {re.sub(r"^depths\.(\d+)\.block\.", r"depths.\1.blocks.0.", k): v for k, v in state_dict.items()}
-
-
 def layers_in_state_dict(state_dict: dict) -> int:
-    """Decoder layers per depth of a head state dict (1 for the older single-`block` names)."""
+    """Decoder layers per depth of a head state dict (`depths.0.blocks.<i>.*`)."""
     found = {int(m.group(1)) for k in state_dict if (m := re.match(r"depths\.0\.blocks\.(\d+)\.", k))}
     return max(found) + 1 if found else 1
 
@@ -84,7 +79,7 @@ class MTPHeads(nn.Module):
         self.register_buffer("draft_vocab", torch.unique(ids).to(device), persistent=True)
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
-        state_dict = renamed_single_block(state_dict)
+        state_dict = dict(state_dict)                         # the caller's dict is left as it was
         self.set_draft_vocab(state_dict.get("draft_vocab"))  # its size may differ: re-register first
         if "draft_vocab" in state_dict:
             state_dict["draft_vocab"] = self.draft_vocab

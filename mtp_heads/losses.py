@@ -16,7 +16,7 @@ TV smoothing. TV's gradient wrt q is 0.5 * sign(q - p): it does not shrink as q 
 x / sqrt(x^2 + eps^2) fades once |q_v - p_v| << eps (phi <= |x|, |x| - phi <= eps, so
 the smoothed value underestimates TV by at most V * eps / 2). The default is exact TV,
 ``TV_EPS = 0`` (subgradient 0 where q_v == p_v, as torch's abs), because in the toy
-study (``python -m experiments.bench_tv_loss --smoothing``, experiments/LOG.md) neither
+study (``python -m experiments.bench_tv_loss --smoothing``) neither
 fix helped: with Adam, eps <= 1e-5 and a 0.1*KL(p||q) term changed nothing and
 eps >= 1e-4 raised the held-out TV floor (0.0022 -> 0.0027 / 0.0031); only with SGD at
 a too-high step size did eps = 1e-3 lower it (0.033 -> 0.028), while it did slightly
@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 # Default smoothing of |q_v - p_v| in "tv"/"tv_e2e" and the fused kernel: 0 = exact TV.
-# Chosen from the toy study (experiments/LOG.md, "TV smoothing" entry): see module docstring.
+# Chosen from the toy study: see the module docstring.
 TV_EPS: float = 0.0
 
 IGNORE_INDEX = -100

@@ -120,7 +120,7 @@ def _last_layer_init(policy: CausalLM, num_depths: int, num_layers: int, seed: i
 def _identity_init(policy: CausalLM, num_depths: int, num_layers: int, seed: int, data) -> MTPHeads:
     """Each depth starts as (almost) the identity on h, so q starts at the policy's own p_i: block
     residual branches zeroed, eh_proj = [0 | I], output norm at the hidden states' median RMS.
-    (Measured worse than last_layer: experiments/LOG.md, 2026-11-29.)"""
+    (It trains to lower acceptance than last_layer.)"""
     heads = init_heads(policy, num_depths, seed=seed, num_layers=num_layers)
     h = torch.cat([torch.as_tensor(data[i].hidden).float() for i in range(min(len(data), 8))]) if len(data) else None
     rms = float(h.pow(2).mean(1).sqrt().median()) if h is not None else 1.0

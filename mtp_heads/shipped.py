@@ -18,6 +18,8 @@ from rollout.models.decoder import CausalLM
 
 SHIPPED_DIR = Path(__file__).resolve().parent / "default_heads"
 HEAD_SOURCES = ("shipped", "init")   # or a checkpoint path
+HEADS_FILE = "heads.safetensors"     # what train-heads writes into its out_dir
+RETIRED = {"pretrained": "shipped", "auto": "shipped", "path": "<the checkpoint path itself>"}   # old spellings
 SHIPPED: dict[str, str] = {          # model spec -> file in SHIPPED_DIR
     "smollm2-135m": "smollm2-135m.safetensors",
 }
@@ -37,10 +39,27 @@ def load_shipped_heads(policy: CausalLM, model_spec: str) -> tuple[MTPHeads, Hea
     return None if path is None else load_heads(path, policy)
 
 
+def trained_heads_dir(model_spec: str) -> Path:
+    """$MTP_ROLLOUT_CACHE/heads/<model>/: train-heads' default out_dir (the model's name made path-safe
+    exactly as mtp_heads.checkpoint names cached heads files)."""
+    path = default_heads_path(model_spec, 1, "x")
+    return path.parent / path.name.removesuffix("-D1-x.safetensors")
+
+
 def trained_heads_path(model_spec: str) -> Path:
-    """$MTP_ROLLOUT_CACHE/heads/<model>-D1-trained.safetensors: where `train-heads` leaves heads for a
-    model the package ships none for."""
-    return default_heads_path(model_spec, 1, "trained")
+    """$MTP_ROLLOUT_CACHE/heads/<model>/heads.safetensors: where `train-heads` leaves heads for a
+    model the package ships none for (what heads=shipped falls back to)."""
+    return trained_heads_dir(model_spec) / HEADS_FILE
+
+
+def check_heads_spec(key: str, spec: object) -> None:
+    """A `heads` setting is shipped, init or a checkpoint path; the retired spellings (and an empty
+    value) fail at load time, naming the key and the new spelling, rather than as a missing file."""
+    if not isinstance(spec, str) or not spec.strip():
+        raise ValueError(f"{key} must be shipped, init or a heads checkpoint path, got {spec!r}")
+    if spec in RETIRED:
+        raise ValueError(f"{key}={spec} is no longer accepted: write {key}={RETIRED[spec]} "
+                         "(heads is shipped, init or a checkpoint path)")
 
 
 def resolve_heads(policy: CausalLM, spec: str, *, model: str, num_depths: int | None = None,
@@ -52,6 +71,7 @@ def resolve_heads(policy: CausalLM, spec: str, *, model: str, num_depths: int | 
     what the file holds otherwise); a number must match the file's. ValueError naming the file or
     the setting otherwise.
     """
+    check_heads_spec("heads", spec)
     if spec == "init":
         return init_heads(policy, num_depths or 1, seed=seed), "init (untrained: expect low acceptance)"
     if spec == "shipped":

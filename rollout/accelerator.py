@@ -19,7 +19,7 @@ import numpy as np
 import ray
 import torch
 
-from mtp_heads.heads import MTPHeads, init_heads
+from mtp_heads.heads import MTPHeads
 from rollout.cotrainer_client import CoTrainerClient
 from rollout.models.decoder import CausalLM
 from rollout.models.dtypes import parse_dtype
@@ -32,8 +32,7 @@ from rollout.workers import WorkerConfig
 from mtp_heads.cotrainer import CoTrainerConfig
 from mtp_heads.refresh import StepObservation
 
-__all__ = ["AcceleratorConfig", "CoTrainerConfig", "MonitorConfig", "RolloutAccelerator", "WorkerConfig",
-           "load_heads_for"]
+__all__ = ["AcceleratorConfig", "CoTrainerConfig", "MonitorConfig", "RolloutAccelerator", "WorkerConfig"]
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +46,8 @@ class AcceleratorConfig:
     monitor: MonitorConfig = dataclasses.field(default_factory=lambda: MonitorConfig(out_dir="runs/monitor"))
     model: str = "smollm2-135m"         # `smollm2-135m`, `tiny-random` (byte-level test model), a `.gguf` file
                                         # or an HF directory
-    heads_path: str | None = None       # MTP heads file (mtp_heads.checkpoint); used when `heads: path`
+    heads: str = "shipped"              # draft heads: `shipped` (the package's, or train-heads' cached ones),
+                                        # `init` (untrained) or a heads checkpoint path
     num_depths: int = 1                 # MTP depths D of the heads
     dtype: str = "float32"              # rollout weights: `float32`, `bfloat16`, `float16`, `auto` (the hardware's best)
     ray_address: str | None = None      # Ray cluster address; null starts (or joins) a local Ray
@@ -55,6 +55,8 @@ class AcceleratorConfig:
 
     def __post_init__(self) -> None:
         parse_dtype(self.dtype)
+        from mtp_heads.shipped import check_heads_spec
+        check_heads_spec("heads", self.heads)   # a run sets it as `heads`
         if self.num_depths < 1:
             raise ValueError(f"accelerator.num_depths must be >= 1, got {self.num_depths}")
 
@@ -72,17 +74,6 @@ def check_resources(cfg: AcceleratorConfig) -> None:
             f"{have.get('CPU', 0):g} CPUs and {have.get('GPU', 0):g} GPUs; lower workers.num_workers, "
             "workers.num_cpus_per_worker (fractions are allowed) or cotrainer.num_cpus, or set "
             "cotrainer.enabled=false")
-
-
-def load_heads_for(path: str, policy: CausalLM, num_depths: int) -> MTPHeads:
-    """Heads written by mtp_heads.checkpoint.save_heads (pre-training or a co-trainer checkpoint)."""
-    from mtp_heads.checkpoint import load_heads
-
-    heads, meta = load_heads(path, policy)
-    if meta.num_depths != num_depths:
-        raise ValueError(f"{path} holds {meta.num_depths} MTP depths but num_depths={num_depths}; "
-                         f"set num_depths={meta.num_depths}")
-    return heads
 
 
 def mean_entropy(comps: list[Completion]) -> float:
@@ -133,9 +124,10 @@ class RolloutAccelerator:
         if policy is None:
             from rollout.models.loaders import load_policy
             policy, _ = load_policy(cfg.model, cfg.dtype)
-        if heads is None:
-            heads = (load_heads_for(cfg.heads_path, policy, cfg.num_depths) if cfg.heads_path
-                     else init_heads(policy, cfg.num_depths, seed=cfg.seed))
+        if heads is None:     # a file holding other than cfg.num_depths depths is refused, naming it
+            from mtp_heads.shipped import resolve_heads
+            heads, desc = resolve_heads(policy, cfg.heads, model=cfg.model, num_depths=cfg.num_depths, seed=cfg.seed)
+            logger.info("heads: %s", desc)
         heads.check_compatible(policy)
         return cls(cfg, policy, heads, owns_ray=owns_ray, policy_version=policy_version, head_version=head_version)
 

@@ -87,12 +87,9 @@ def _as_value_error(e: Exception, where: str, layer: DictConfig | None, cls: typ
     return ValueError(f"{where}: bad value {value} for config key {key!r}: {first}")
 
 
-def load_config(cls: type[T], argv: list[str]) -> tuple[T, str]:
-    """argv: YAML files and `key=value` overrides (dotted keys, YAML values), left to right.
-
-    Returns the validated frozen `cls` instance and the fully resolved config as YAML text
-    (what write_resolved stores, and what load_config(cls, [that file]) reads back to `cfg`).
-    """
+def merge_layers(cls: type, argv: list[str]) -> DictConfig:
+    """The schema `cls` with argv's YAML files and overrides merged in, left to right, unresolved and
+    not yet validated (load_config validates; config_help shows these values as the defaults)."""
     merged: DictConfig = OmegaConf.structured(cls)
     for arg in argv:
         if arg in HELP_FLAGS:
@@ -109,6 +106,16 @@ def load_config(cls: type[T], argv: list[str]) -> tuple[T, str]:
             merged = OmegaConf.merge(merged, layer)
         except OmegaConfBaseException as e:
             raise _as_value_error(e, where, layer, cls) from None
+    return merged
+
+
+def load_config(cls: type[T], argv: list[str]) -> tuple[T, str]:
+    """argv: YAML files and `key=value` overrides (dotted keys, YAML values), left to right.
+
+    Returns the validated frozen `cls` instance and the fully resolved config as YAML text
+    (what write_resolved stores, and what load_config(cls, [that file]) reads back to `cfg`).
+    """
+    merged = merge_layers(cls, argv)
     try:       # to_object resolves interpolations and runs the dataclasses' own validation
         cfg = OmegaConf.to_object(merged)
     except OmegaConfBaseException as e:
@@ -168,9 +175,11 @@ def _yaml_scalar(v: Any) -> str:
     return v if isinstance(v, str) else json.dumps(v)
 
 
-def config_keys(cls: type) -> list[ConfigKey]:
-    """Every leaf key of the schema `cls` with its default and meaning, in declaration order."""
-    schema = OmegaConf.to_container(OmegaConf.structured(cls), resolve=False)
+def config_keys(cls: type, argv: list[str] | None = None) -> list[ConfigKey]:
+    """Every leaf key of the schema `cls` with its default and meaning, in declaration order; with
+    `argv` (YAML files, overrides) the defaults are the values those layers give, i.e. what a run
+    with that argv uses."""
+    schema = OmegaConf.to_container(merge_layers(cls, argv or []), resolve=False)
     out: list[ConfigKey] = []
 
     def walk(node_cls: type, values: dict, prefix: str, context: str) -> None:
@@ -200,13 +209,17 @@ def _dataclass_type(owner: type, f: dataclasses.Field) -> type | None:
 HELP_COLUMN = 60    # `key = default` wider than this gets its meaning on the next line
 
 
-def config_help(cls: type, *, usage: str = "") -> str:
-    """Text for `--help`: usage, then one line per key: `key = default  meaning`."""
-    keys = config_keys(cls)
+def config_help(cls: type, *, usage: str = "", argv: list[str] | None = None) -> str:
+    """Text for `--help`: usage, then one line per key: `key = default  meaning`. `argv`: the YAML
+    files (and overrides) a run without further arguments would load, so that the defaults shown
+    are the values used, not the dataclass's."""
+    argv = [a for a in argv or [] if a not in HELP_FLAGS]
+    keys = config_keys(cls, argv)
     sides = [f"{k.key} = {k.default}" for k in keys]
     width = max((len(s) for s in sides if len(s) <= HELP_COLUMN), default=0)   # long defaults wrap instead
     lines = [usage.rstrip(), ""] if usage else []
-    lines += [f"Config keys of {cls.__name__} (override any with key=value; later arguments win):", ""]
+    source = f"; defaults from {', '.join(argv)}" if argv else ""
+    lines += [f"Config keys of {cls.__name__} (override any with key=value; later arguments win{source}):", ""]
     for k, lhs in zip(keys, sides):
         if len(lhs) > width:
             lines += [f"  {lhs}", f"  {'':<{width}}  {k.help}".rstrip()]
@@ -223,14 +236,17 @@ def keys_table(cls: type) -> str:
 
 def preset_main(cls: type[T], default_config: str | Path, run: Callable[[T, str], Any], argv: list[str],
                 usage: str = "") -> int:
-    """A command's main(argv): `--help` lists cls's keys; argv = YAML files and key=value overrides,
-    with `default_config` first when no YAML file is given; then run(config, resolved YAML)."""
+    """A command's main(argv): argv = YAML files and key=value overrides, with `default_config` first
+    when no YAML file is given; then run(config, resolved YAML). `--help` lists cls's keys with the
+    values those same arguments give (the default YAML's, not the dataclass's)."""
     argv = list(argv)
-    if wants_help(argv):
-        print(config_help(cls, usage=usage), end="")
-        return 0
+    asked_help = wants_help(argv)
+    argv = [a for a in argv if a not in HELP_FLAGS]
     if all("=" in a for a in argv):
         argv = [str(default_config), *argv]
+    if asked_help:
+        print(config_help(cls, usage=usage, argv=argv), end="")
+        return 0
     cfg, resolved = load_config(cls, argv)
     run(cfg, resolved)
     return 0

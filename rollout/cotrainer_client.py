@@ -1,6 +1,6 @@
 """The facade's side of the head co-trainer actor: send without waiting, poll, apply, restart.
 
-Nothing in the head path may block rollouts (DESIGN.md). Rollouts and step observations go
+Nothing in the head path may block rollouts (docs/design.md). Rollouts and step observations go
 to the actor fire-and-forget; its decisions come back as object refs that are only polled.
 A finished refresh is handed to `publish`; a dead actor is logged, restarted from its
 checkpoint (up to max_restarts), and meanwhile rollouts go on with the last heads.

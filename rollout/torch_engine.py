@@ -24,7 +24,7 @@ from rollout.engine.weight_updates import load_heads_update, load_policy_update
 from rollout.engine.round import (PhaseTimes, RoundContext, RoundResult, commit, fill_head_caches,
                                   round_slack, run_round)
 from rollout.engine.state import DecodeState, Results, gather_rows
-from rollout.models.decoder import Cache, CausalLM
+from rollout.models.decoder import Cache, CausalLM, set_read_len
 from rollout.types import RolloutBatch, SamplingParams, validate_request
 from rollout.verify import process_logits_with_entropy, sample
 
@@ -177,7 +177,7 @@ class TorchEngine:
                            torch.tensor(sorted(stop) or [-2], dtype=torch.long, device=dev),
                            ecfg.verify_widths, head_width, self.times)
         cache = self._target_cache(B, L)
-        cache.read_len = L                  # a reused cache keeps its last call's window; rounds narrow it
+        set_read_len(cache, L)              # a reused cache keeps its last call's window; rounds narrow it
         hidden = torch.zeros(B, L, d, dtype=dtype, device=dev)
         hidden[:, :P] = self._prompt_states(seq[:, :P], cache)
         st = DecodeState(seq=seq, committed=lengths.clone(), prompt_len=lengths, hidden=hidden,

@@ -65,11 +65,6 @@ def process_logits_with_entropy(logits: torch.Tensor, temperature: float, top_k:
     return probs, ent.clamp_min(0.0)
 
 
-def entropy(probs: torch.Tensor) -> torch.Tensor:
-    """Shannon entropy in nats: probs [..., V] -> [...]."""
-    return -(probs * probs.clamp_min(1e-30).log()).sum(-1)
-
-
 def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
     """One token per row by the exponential race: probs [..., V] -> [...] int64.
 

@@ -24,7 +24,7 @@ logger = logging.getLogger(__name__)
 
 
 def actor_threads(num_cpus: float) -> int:
-    """Torch threads of an actor = its whole CPUs (DESIGN.md: more threads than CPUs ran 3x slower)."""
+    """Torch threads of an actor = its whole CPUs (more threads than CPUs run several times slower)."""
     return max(1, int(math.floor(num_cpus)))
 
 

@@ -100,7 +100,7 @@ class RolloutWorker:
                  policy_weights: FlatWeights, policy_version: int, head_weights: FlatWeights | None,
                  num_depths: int, head_version: int, *, dtype: str = "float32", num_threads: int | None = None):
         if num_threads is not None:
-            torch.set_num_threads(num_threads)   # DESIGN.md: threads = the actor's CPU share
+            torch.set_num_threads(num_threads)   # threads = the actor's CPU share (oversubscribed is slower)
         device = config.device
         self.worker_id = worker_id
         policy = policy_from_flat(policy_config, policy_weights, dtype, device)

@@ -9,6 +9,7 @@ import pytest
 
 from experiments.entropy_ablation import AblationConfig, main
 from mtp_heads.checkpoint import read_meta
+from trainers.config import load_run_config
 
 ROOT = Path(__file__).resolve().parents[1]
 OBJECTIVES = ["ce", "fkl", "tv", "tv_e2e", "tv_top64"]
@@ -44,7 +45,7 @@ def test_every_cell_is_filled(grid):
         assert f"draft_mode: {r['draft_mode']}" in cfg and f"loss: {r['objective']}" in cfg
     # each objective's heads were trained once, with that objective, the same steps, and shared by both modes
     for objective in OBJECTIVES:
-        meta = read_meta(out / "heads" / f"{objective}.safetensors")
+        meta = read_meta(out / "heads" / objective / "heads.safetensors")
         assert meta.loss.startswith(objective) and meta.steps == 3
     md = (out / "ablation.md").read_text()
     assert md.count("\n| greedy |") + md.count("\n| rejection |") >= 10 + 10   # cells + per-domain rows
@@ -59,7 +60,7 @@ def test_every_cell_is_filled(grid):
 @pytest.mark.ray
 def test_a_rerun_reuses_finished_heads_and_runs(grid):
     out, argv = grid
-    stamps = {p: p.stat().st_mtime_ns for p in (out / "heads").glob("*.safetensors")}
+    stamps = {p: p.stat().st_mtime_ns for p in (out / "heads").glob("*/heads.safetensors")}
     stamps.update({p: p.stat().st_mtime_ns for p in (out / "runs").glob("*/rl.jsonl")})
     assert main(argv) == 0
     assert {p: p.stat().st_mtime_ns for p in stamps} == stamps
@@ -73,6 +74,28 @@ def test_bad_input_is_refused_naming_the_key(override, named, tmp_path):
     with pytest.raises(ValueError, match=named):
         main([str(ROOT / "configs/ablation_tiny.yaml"), f"out_dir={tmp_path}", override])
     assert not any(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("override, cell, key", [
+    ("rl=[steps=3,sampling.draftmode=greedy]", "cell 'plain'", "sampling.draftmode"),     # every cell: the first fails
+    ("heads_overrides=[model=tiny-random,train.bach_tokens=8]", "objective 'ce'", "train.bach_tokens"),
+    ("rl=[steps=3,grpo.lr=fast]", "cell 'plain'", "grpo.lr"),                      # a bad value, not only keys
+])
+def test_a_misspelt_key_in_any_cell_fails_at_load_time_naming_cell_and_key(override, cell, key, tmp_path, monkeypatch):
+    import experiments.entropy_ablation as ablation
+    monkeypatch.setattr(ablation, "run_cell", lambda *a, **k: pytest.fail("a cell ran before the check"))
+    monkeypatch.setattr(ablation, "train_objective_heads", lambda *a, **k: pytest.fail("heads trained before the check"))
+    with pytest.raises(ValueError) as e:
+        main([str(ROOT / "configs/ablation_tiny.yaml"), f"out_dir={tmp_path / 'a'}", override])
+    assert cell in str(e.value) and key in str(e.value), e.value
+    assert not (tmp_path / "a").exists()
+
+
+def test_cells_run_with_the_trained_heads_file():
+    from experiments.entropy_ablation import cell_overrides
+    cfg, _ = load_run_config([str(ROOT / "configs/smoke.yaml"),
+                              *cell_overrides("tv", "greedy", Path("/x/heads/tv/heads.safetensors"))])
+    assert cfg.heads == cfg.accelerator.heads == "/x/heads/tv/heads.safetensors"
 
 
 def test_help_lists_every_key(capsys):

@@ -275,7 +275,7 @@ def test_one_adaptive_k_carries_acceptance_and_round_times_across_calls(tiny_pol
 def test_bench_decode_reports_every_setting_and_the_cost_curve(tiny_policy, tiny_heads, capsys):
     """bench-decode's study on a tiny model: a row per setting and batch, ratios to plain, V(1) = 1."""
     from experiments.bench_decode import BenchDecodeConfig, bench_engine, make_engine
-    cfg = BenchDecodeConfig(k=2, extra_ks=[1], batch_sizes=[1, 2], max_new_tokens=8, repeats=2,
+    cfg = BenchDecodeConfig(num_draft_tokens=[2, 1], batch_sizes=[1, 2], max_new_tokens=8, repeats=2,
                             verify_ns=[1, 2, 4], cost_repeats=3)
     rows = bench_engine(make_engine(tiny_policy, tiny_heads, compile=False), PROMPTS, cfg, "tiny")
     assert [(r["batch"], r["setting"]) for r in rows] == [

@@ -1,14 +1,18 @@
 """Head checkpoints: round trip, atomic writes, refusal of heads built for another policy."""
 import json
 import os
+from types import SimpleNamespace
 
 import pytest
 import torch
+from safetensors import safe_open
+from safetensors.torch import save
 
 import mtp_heads.checkpoint as ckpt
 from mtp_heads.checkpoint import (HeadMeta, default_heads_path, draft_vocab_of, load_heads, read_meta, save_heads,
                                   set_draft_vocab, sidecar_path)
 from mtp_heads.heads import init_heads
+from rollout.models.config import ModelConfig
 from rollout.models.decoder import random_model
 from tests.conftest import tiny_config
 
@@ -111,7 +115,7 @@ def test_default_heads_path_uses_cache_env(tmp_path, monkeypatch):
     assert default_heads_path("/a b/model dir", 2, "ce").name == "a_b_model_dir-D2-ce.safetensors"
 
 
-def test_two_layer_heads_round_trip_and_old_single_block_names_load(tmp_path, tiny_policy):
+def test_two_layer_heads_round_trip(tmp_path, tiny_policy):
     heads = init_heads(tiny_policy, 1, seed=3, num_layers=2)
     path = tmp_path / "h2.safetensors"
     save_heads(path, heads, HeadMeta.for_heads(heads, loss="tv"))
@@ -119,14 +123,45 @@ def test_two_layer_heads_round_trip_and_old_single_block_names_load(tmp_path, ti
     assert meta.num_layers == 2 and loaded.num_layers == 2
     for (name, a), b in zip(heads.state_dict().items(), loaded.state_dict().values()):
         assert torch.equal(a, b), name
-    # checkpoints written before stacked blocks name the single layer `depths.j.block.*`
-    one = init_heads(tiny_policy, 1, seed=4)
-    old_names = {k.replace(".blocks.0.", ".block."): v for k, v in one.state_dict().items()}
-    assert any(".block." in k for k in old_names)
-    fresh = ckpt.MTPHeads(tiny_policy.config, 1)
-    fresh.load_state_dict(old_names)
-    for (name, a), b in zip(one.state_dict().items(), fresh.state_dict().values()):
-        assert torch.equal(a, b), name
+
+
+def test_the_shipped_heads_use_the_current_tensor_names_and_format():
+    from mtp_heads.shipped import shipped_heads_path
+    path = shipped_heads_path("smollm2-135m")
+    cfg = ModelConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                      num_attention_heads=9, num_key_value_heads=3)              # SmolLM2-135M's architecture
+    assert cfg.fingerprint() == read_meta(path).policy_fingerprint
+    # load_heads reads only the policy's config and the dtype/device of its embedding
+    policy = SimpleNamespace(config=cfg, model=SimpleNamespace(embed_tokens=SimpleNamespace(
+        weight=torch.empty(0, dtype=torch.bfloat16))))
+    heads, meta = load_heads(path, policy)
+    assert meta.format_version == ckpt.FORMAT_VERSION
+    fresh = ckpt.MTPHeads(cfg, meta.num_depths, meta.num_layers)
+    assert set(heads.state_dict()) - {"draft_vocab"} == set(fresh.state_dict())
+    with safe_open(str(path), framework="pt") as f:
+        assert set(f.keys()) == set(fresh.state_dict()) | {"draft_vocab"}
+
+
+def _rewrite_header(path, **changes):
+    with safe_open(str(path), framework="pt") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+        header = json.loads(f.metadata()[ckpt.META_KEY])
+    header.update(changes)
+    header = {k: v for k, v in header.items() if v is not None}
+    path.write_bytes(save(tensors, metadata={ckpt.META_KEY: json.dumps(header)}))
+
+
+def test_an_unsupported_or_missing_format_version_is_refused_naming_it(tmp_path, tiny_policy, tiny_heads):
+    path = tmp_path / "h.safetensors"
+    save_heads(path, tiny_heads, _meta(tiny_heads))
+    assert read_meta(path).format_version == ckpt.FORMAT_VERSION == 2
+    _rewrite_header(path, format_version=99)
+    with pytest.raises(ValueError, match=r"h\.safetensors: head checkpoint format_version 99 is not supported "
+                                         r"\(.*reads format_version 2\)"):
+        load_heads(path, tiny_policy)
+    _rewrite_header(path, format_version=None)
+    with pytest.raises(ValueError, match=r"h\.safetensors: head checkpoint format_version None is not supported"):
+        read_meta(path)
 
 
 def test_grown_heads_draft_exactly_what_the_one_layer_heads_drafted(tiny_policy):

@@ -107,3 +107,77 @@ def test_benchmark_configs_load_and_help_documents_every_key(module, cls_name, y
     assert all(f"{k.key} = {k.default}" in out for k in config_keys(cls))
     with pytest.raises(ValueError, match="rounds|study"):
         load_config(cls, ["rounds=0"] if "rounds" in resolved else ["study=speed"])
+
+
+# -- every command: --help works and shows the values a run would use; one vocabulary ------------
+
+def _commands():
+    from experiments.cli import COMMANDS
+    return [name for name in COMMANDS if name != "clean-ray"]
+
+
+@pytest.mark.parametrize("name", _commands())
+def test_every_command_help_exits_0_and_lists_keys(name, capsys):
+    from experiments import cli
+    assert cli.main([name, "--help"]) == 0
+    out = capsys.readouterr().out
+    assert "Config keys of" in out and " = " in out
+
+
+def test_bench_decode_help_prints_the_yaml_values_not_the_dataclass_defaults(capsys):
+    from omegaconf import OmegaConf
+
+    from experiments import cli
+    from experiments.bench_decode import DEFAULT_CONFIG, BenchDecodeConfig
+    assert cli.main(["bench-decode", "--help"]) == 0
+    out = capsys.readouterr().out
+    yaml = OmegaConf.to_container(OmegaConf.load(DEFAULT_CONFIG))
+    shown = {k.key: k.default for k in config_keys(BenchDecodeConfig, [str(DEFAULT_CONFIG)])}
+    for key, value in yaml.items():
+        text = value if isinstance(value, str) else __import__("json").dumps(value)
+        assert shown[key] == text and any(ln.strip().startswith(f"{key} = {text}") for ln in out.splitlines()), key
+    assert yaml["compile"] == [False, True] and "compile = [false, true]" in out    # the dataclass says [true]
+    # and a run without arguments uses exactly those values
+    from experiments.bench_decode import load_bench_config
+    assert load_bench_config([])[0] == load_config(BenchDecodeConfig, [str(DEFAULT_CONFIG)])[0]
+
+
+def test_sweep_help_shows_a_given_yaml_and_overrides(tmp_path, capsys):
+    from experiments import cli
+    assert cli.main(["sweep", "num_draft_tokens=5", "--help"]) == 0
+    assert any(ln.strip().startswith("num_draft_tokens = 5 ") for ln in capsys.readouterr().out.splitlines())
+
+
+def _schema_leaf_names(cls) -> set[str]:
+    return {k.key.rsplit(".", 1)[-1] for k in config_keys(cls)}
+
+
+def test_one_vocabulary_across_commands():
+    """num_draft_tokens for the draft count, out_dir for outputs, heads for which draft model."""
+    from experiments.bench_cotrainer import BenchCotrainerConfig
+    from experiments.bench_decode import BenchDecodeConfig
+    from experiments.bench_vllm import AgainstVLLMConfig
+    from experiments.entropy_ablation import AblationConfig
+    from experiments.entropy_sweep import SweepConfig
+    from experiments.generate import GenerateJobConfig
+    from experiments.pretrain_heads import TrainHeadsConfig
+    from experiments.refresh_study import RefreshStudyConfig
+    from experiments.trl_grpo import TRLRunConfig
+    from trainers.config import RunConfig
+    schemas = [BenchCotrainerConfig, BenchDecodeConfig, AgainstVLLMConfig, AblationConfig, SweepConfig,
+               GenerateJobConfig, TrainHeadsConfig, RefreshStudyConfig, TRLRunConfig, RunConfig]
+    for cls in schemas:
+        names = _schema_leaf_names(cls)
+        assert not names & {"k", "extra_ks", "out", "heads_path"}, (cls.__name__, names & {"k", "out", "heads_path"})
+    for cls in (BenchCotrainerConfig, AblationConfig, SweepConfig, TrainHeadsConfig, RefreshStudyConfig,
+                TRLRunConfig, RunConfig):
+        assert "out_dir" in _schema_leaf_names(cls), cls.__name__
+    for cls in (BenchCotrainerConfig, BenchDecodeConfig, AgainstVLLMConfig, SweepConfig, GenerateJobConfig,
+                TRLRunConfig, RunConfig):
+        assert "num_draft_tokens" in _schema_leaf_names(cls), cls.__name__
+    for cls in (BenchCotrainerConfig, BenchDecodeConfig, AgainstVLLMConfig, GenerateJobConfig, TRLRunConfig,
+                RunConfig):
+        field = {f.name: f for f in dataclasses.fields(cls)}["heads"]
+        assert field.default == "shipped", cls.__name__
+        with pytest.raises(ValueError, match="heads=pretrained is no longer accepted: write heads=shipped"):
+            load_config(cls, ["heads=pretrained"])

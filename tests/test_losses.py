@@ -122,7 +122,7 @@ def test_tv_tie_has_zero_value_and_gradient():
 
 
 def test_tv_gradient_does_not_shrink_near_optimum_unless_smoothed():
-    # the DESIGN.md fact: |x| keeps a full-size gradient as q -> p; the smoothed one fades
+    # |x| keeps a full-size gradient as q -> p; the smoothed one fades (mtp_heads/losses.py, "TV smoothing")
     base, direction = _logits(8, 50, seed=10), _logits(8, 50, seed=11)
     norms = {}
     for eps in (0.0, 1e-2):

@@ -209,7 +209,7 @@ def test_identity_init_drafts_the_policys_own_next_token_distribution(policy, da
 
 def _tiny_run_cfg(tmp_path, **train):
     from experiments.pretrain_heads import EvalConfig, TrainHeadsConfig
-    return TrainHeadsConfig(model="tiny", out=str(tmp_path / "h.safetensors"), progress=False,
+    return TrainHeadsConfig(model="tiny", out_dir=str(tmp_path / "h"), progress=False,
                             train=_cfg(draft_vocab_size=16, eval_every=2, **train),
                             eval=EvalConfig(temperatures=[0.7, 1.0], steps=2, heldout_sequences=4, train_sequences=4))
 
@@ -222,9 +222,9 @@ def test_train_heads_job_writes_heads_report_and_curve(policy, data, held_out, t
     report = job.run(_tiny_run_cfg(tmp_path), "resolved: yaml\n", policy, None)
     assert [h["step"] for h in report["history"]] == [2, 4]
     assert set(report["final"]["heldout"]) == {0.7, 1.0} and set(report["final"]["train"]) == {0.7, 1.0}
-    saved = json.loads((tmp_path / "h.run.json").read_text())
+    saved = json.loads((tmp_path / "h" / "heads.run.json").read_text())
     assert saved["steps"] == 4 and len(saved["history"]) == 2
-    heads, meta = load_heads(tmp_path / "h.safetensors", policy)
+    heads, meta = load_heads(tmp_path / "h" / "heads.safetensors", policy)
     assert meta.steps == 4 and meta.draft_vocab_size == len(draft_vocab_of(heads)) <= 17
     from experiments.ship_heads import model_card
     card = model_card(saved, meta, "tiny", "mtp-rollout train-heads x", 12.0, "abc123")
@@ -252,7 +252,7 @@ def test_heldout_sources_are_scored_apart_and_at_step_0(policy, tmp_path, monkey
                      source=source, split=split, items=items, items_per_shard=3, target_tokens=10**9,
                      max_batch_tokens=64, log=lambda *a: None,
                      make_examples=lambda chunk, _: [Example(k, t, a) for k, t, a in chunk])
-    cfg = TrainHeadsConfig(model="tiny", out=str(tmp_path / "h.safetensors"), progress=False,
+    cfg = TrainHeadsConfig(model="tiny", out_dir=str(tmp_path / "h"), progress=False,
                            data=DataConfig(store=str(root), sources=["sharegpt"]),
                            train=_cfg(draft_vocab_size=0, eval_every=2),
                            eval=EvalConfig(temperatures=[1.0], steps=2, heldout_sequences=4, train_sequences=0,
@@ -265,7 +265,7 @@ def test_heldout_sources_are_scored_apart_and_at_step_0(policy, tmp_path, monkey
     start, end = (report["history"][i]["heldout"][1.0]["rejection"]["per_position"][0] for i in (0, -1))
     assert start != end
     from experiments.ship_heads import model_card
-    card = model_card(report, read_meta(tmp_path / "h.safetensors"), "tiny", "cmd", None, "abc")
+    card = model_card(report, read_meta(tmp_path / "h" / "heads.safetensors"), "tiny", "cmd", None, "abc")
     assert "Held-out split of the `onpolicy` source alone" in card and "onpolicy pos 1/2/3" in card
     assert report["machine"] in card
 
@@ -282,8 +282,8 @@ def test_train_heads_cli_exits_0_after_a_real_run(policy, data, held_out, tmp_pa
     monkeypatch.setattr(loaders, "load_model",
                         lambda spec: LoadedModel(policy.config, policy.state_dict(), None, None, spec))
     monkeypatch.setattr(job, "open_data", lambda cfg, policy, loaded, progress: (data, held_out, {"tiny": True}))
-    out = tmp_path / "h.safetensors"
-    status = cli.main(["train-heads", "model=tiny", f"out={out}", "progress=false", "train.batch_tokens=160",
+    out = tmp_path / "h" / "heads.safetensors"     # out_dir holds the heads under a fixed name
+    status = cli.main(["train-heads", "model=tiny", f"out_dir={out.parent}", "progress=false", "train.batch_tokens=160",
                        "train.max_seq_len=64", "train.draft_vocab_size=16", "train.unroll_steps=2",
                        "train.phases=[{objective: tv, steps: 3}]", "eval.heldout_sequences=4", "eval.train_sequences=0",
                        "eval.steps=2"])

@@ -63,6 +63,19 @@ def test_bad_input_is_refused_naming_the_key(override, named, tmp_path):
     assert not any(tmp_path.iterdir())
 
 
+def test_a_misspelt_key_in_one_schedule_fails_at_load_time_naming_it(tmp_path):
+    from rollout.config_loader import load_config
+    from experiments.refresh_study import RefreshStudyConfig
+    bad = "schedules.every_1=[accelerator.cotrainer.every_n_step=1]"
+    with pytest.raises(ValueError) as e:
+        load_config(RefreshStudyConfig, [str(ROOT / "configs/refresh_study_tiny.yaml"), bad])
+    assert "schedule 'every_1'" in str(e.value) and "accelerator.cotrainer.every_n_step" in str(e.value)
+    with pytest.raises(ValueError, match="schedule 'never'.*sampling.draftmode"):      # `rl` reaches every schedule
+        main([str(ROOT / "configs/refresh_study_tiny.yaml"), f"out_dir={tmp_path / 'r'}",
+              "rl=[steps=4,sampling.draftmode=greedy]"])
+    assert not (tmp_path / "r").exists()
+
+
 def test_help_lists_every_key(capsys):
     assert main(["--help"]) == 0
     text = capsys.readouterr().out

@@ -1,4 +1,4 @@
-"""Safe runs and clear errors (issue 9): one run per out_dir, checks before any work, resume after
+"""Safe runs and clear errors: one run per out_dir, checks before any work, resume after
 kill -9, Ray stopped with its driver, errors that name the bad input, CLI exit codes."""
 from __future__ import annotations
 
@@ -49,8 +49,10 @@ BAD_RUN_OVERRIDES = [
     ("sampling.top_p=nan", "sampling.top_p"),
     ("grpo.lr=inf", "grpo.lr"),
     ("sampling.temperature=1", "sampling.temperature"),
-    ("heads=path", "accelerator.heads_path"),
-    ("accelerator.heads_path=/nonexistent/heads.safetensors", "accelerator.heads_path"),
+    ("heads=path", "heads=<the checkpoint path itself>"),          # retired spellings name the new one
+    ("heads=pretrained", "heads=shipped"),
+    ("heads=/nonexistent/heads.safetensors", "heads"),
+    ("accelerator.heads=shipped", "accelerator.heads"),            # it follows heads; set alone it conflicts
 ]
 
 
@@ -74,6 +76,22 @@ def test_generate_refuses_bad_sampling_flags_before_loading(capsys):
         assert cli.main(["generate", "--model", "/nonexistent-model", *flags]) == 2
         lines = error_lines(capsys.readouterr().err)
         assert len(lines) == 1 and name in lines[0], lines
+
+
+def test_generate_flags_are_aliases_of_config_keys():
+    from experiments.generate import DEFAULT_PROMPTS, GenerateJobConfig, load_generate_config
+    cfg, _ = load_generate_config(["--prompt", "What is the capital of France?", "--temperature", "0"])
+    assert cfg.prompts == ["What is the capital of France?"] and cfg.temperature == 0.0
+    assert cfg.heads == "shipped" and cfg.num_draft_tokens == 3            # configs/generate.yaml
+    cfg, _ = load_generate_config(["--k", "2", "--prompt", "a: b", "--prompt", "c", "--top-p=0.9", "--heads", "init",
+                                   "--num-depths", "2", "--draft-mode", "greedy", "max_new_tokens=5"])
+    assert (cfg.num_draft_tokens, cfg.prompts, cfg.top_p, cfg.heads, cfg.num_depths, cfg.draft_mode,
+            cfg.max_new_tokens) == (2, ["a: b", "c"], 0.9, "init", 2, "greedy", 5)
+    assert load_generate_config([])[0] == GenerateJobConfig() and DEFAULT_PROMPTS
+    with pytest.raises(ValueError, match="heads=pretrained is no longer accepted.*flag --heads"):
+        load_generate_config(["--heads", "pretrained"])
+    with pytest.raises(ValueError, match="unknown flag --kk"):
+        load_generate_config(["--kk", "2"])
 
 
 # ------------------------------------------------------------------ one run per out_dir
@@ -131,13 +149,14 @@ def test_unwritable_paths_fail_before_work(tmp_path, capsys):
     env_cache = str(blocker / "cache")
     old = os.environ.get("MTP_ROLLOUT_CACHE")
     os.environ["MTP_ROLLOUT_CACHE"] = env_cache
-    try:   # heads=pretrained would pre-train into the cache: refused before the model loads
-        assert cli.main(["run", SMOKE, f"out_dir={tmp_path / 'r'}", "heads=pretrained"]) == 2
-        assert "heads cache" in error_lines(capsys.readouterr().err)[0]
+    try:   # heads=shipped for a model without shipped heads: the missing cached file is named before loading
+        assert cli.main(["run", SMOKE, f"out_dir={tmp_path / 'r'}", "heads=shipped"]) == 2
+        line = error_lines(capsys.readouterr().err)[0]
+        assert "heads=shipped" in line and "heads.safetensors is missing" in line, line
         # model=/nonexistent: had either run got as far as loading the model, the error would name that path
-        assert cli.main(["train-heads", "model=/nonexistent", f"out={blocker / 'h.safetensors'}"]) == 2
-        assert "out directory" in error_lines(capsys.readouterr().err)[0]
-        assert cli.main(["train-heads", "model=/nonexistent", f"out={tmp_path / 'heads' / 'h.safetensors'}"]) == 2
+        assert cli.main(["train-heads", "model=/nonexistent", f"out_dir={blocker / 'h'}"]) == 2
+        assert "out_dir" in error_lines(capsys.readouterr().err)[0]
+        assert cli.main(["train-heads", "model=/nonexistent", f"out_dir={tmp_path / 'heads'}"]) == 2
         assert "the cache ($MTP_ROLLOUT_CACHE)" in error_lines(capsys.readouterr().err)[0]
     finally:
         if old is None:

@@ -23,7 +23,8 @@ from rollout.config_loader import config_keys, load_config
 from rollout.models.decoder import CausalLM
 from experiments.sweep_measure import SweepSettings, TemperatureRun, decode_at, temperature_record
 from rollout.torch_engine import TorchEngine
-from rollout.verify import entropy, process_logits
+from rollout.verify import process_logits
+from tests.helpers import entropy
 from tests.conftest import random_heads, tiny_model
 from trainers.rl_policy import load_rl_policy
 
@@ -119,7 +120,7 @@ def prompts(n: int, seed: int) -> list[list[int]]:
             for _ in range(n)]
 
 
-SETTINGS = SweepSettings(k=3, max_new_tokens=64, batch_size=32, seed=0, n_boot=50)
+SETTINGS = SweepSettings(num_draft_tokens=3, max_new_tokens=64, batch_size=32, seed=0, n_boot=50)
 
 
 @pytest.fixture(scope="module")
@@ -178,8 +179,8 @@ def test_record_statistics_are_consistent(runs):
     for (mode, t), (run, r) in runs.items():
         acc = np.asarray([a for c in run.completions for a in c.round_accepted])
         assert r["acceptance_length"] == pytest.approx(acc.mean() + 1)
-        assert r["acceptance_rate"] == pytest.approx(acc.mean() / SETTINGS.k)
-        assert r["reached_per_pos"] == [int((acc >= j).sum()) for j in range(SETTINGS.k)]
+        assert r["acceptance_rate"] == pytest.approx(acc.mean() / SETTINGS.num_draft_tokens)
+        assert r["reached_per_pos"] == [int((acc >= j).sum()) for j in range(SETTINGS.num_draft_tokens)]
         assert r["cond_acceptance"] == pytest.approx([(acc > j).sum() / (acc >= j).sum() for j in range(3)])
         rate, n = np.asarray(r["cond_acceptance"]), np.asarray(r["reached_per_pos"])
         np.testing.assert_allclose(r["cond_acceptance_se"], np.sqrt(rate * (1 - rate) / n))
@@ -207,7 +208,7 @@ TEMPS = (0.5, 1.0, 2.0)
 
 def sweep_args(head_files, out, *extra):
     heads = ",".join(f"{n}={p}" for n, p in head_files.items())
-    return ["sweep", "model=tiny-random", f"heads=[{heads}]", f"temperatures=[{','.join(map(str, TEMPS))}]",
+    return ["sweep", "model=tiny-random", f"head_files=[{heads}]", f"temperatures=[{','.join(map(str, TEMPS))}]",
             "prompts=4", "max_new_tokens=24", "batch_size=4", "n_boot=50", "progress=false", f"out_dir={out}",
             *extra]
 
@@ -252,8 +253,8 @@ def test_the_command_fills_every_cell_and_temperature(head_files, tmp_path, caps
     ("temperatures=[1.0,nan]", "temperatures"),
     ("draft_modes=[beam]", "draft_modes"),
     ("draft_modes=[]", "draft_modes"),
-    ("heads=[a=/nonexistent/heads.safetensors]", "heads"),
-    ("k=0", "k"),
+    ("head_files=[a=/nonexistent/heads.safetensors]", "head_files"),
+    ("num_draft_tokens=0", "num_draft_tokens"),
     ("prompts=0", "prompts"),
 ])
 def test_bad_input_is_refused_naming_the_key(override, named, tmp_path, capsys):
@@ -266,7 +267,7 @@ def test_bad_input_is_refused_naming_the_key(override, named, tmp_path, capsys):
 
 def test_a_model_without_shipped_heads_needs_heads_files(tmp_path, capsys):
     assert cli.main(["sweep", "model=tiny-random", "progress=false", f"out_dir={tmp_path / 's'}"]) == 2
-    assert "heads: no heads are shipped for model 'tiny-random'" in capsys.readouterr().err
+    assert "head_files: no heads are shipped for model 'tiny-random'" in capsys.readouterr().err
 
 
 def test_the_yaml_holds_the_defaults_and_help_documents_every_key(capsys):

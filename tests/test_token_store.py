@@ -7,8 +7,9 @@ import torch
 
 from mtp_heads.data.builder import Example, add_rollouts, build_shards
 from mtp_heads.data.sharegpt import loss_mask_of
-from mtp_heads.data.teacher_force import bf16_bits_to_float, length_batches, teacher_force, to_bf16_bits
+from mtp_heads.data.teacher_force import length_batches, teacher_force, to_bf16_bits
 from mtp_heads.data.token_store import CorruptShardError, StoreWriter, TokenStore
+from tests.helpers import bf16_bits_to_float
 
 META = {"model": "tiny", "hidden_size": 32, "dtype": "bfloat16"}
 

@@ -330,10 +330,8 @@ def test_smollm2_bfloat16_speculative_greedy_equals_float32_except_at_near_ties(
     a near-tie, where the float32 logits of the two choices are within bf16's rounding of each other."""
     from mtp_heads.shipped import load_shipped_heads
     from rollout.engine.config import EngineConfig
-    from rollout.models import fast_linear
     from rollout.models.loaders import apply_chat_template
     from rollout.models.loaders import load_policy
-    assert fast_linear.ENABLED
     p32, loaded = load_policy("smollm2-135m", "float32")
     p16, _ = load_policy("smollm2-135m", "bfloat16")
     heads16, _ = load_shipped_heads(p16, "smollm2-135m")

@@ -3,8 +3,8 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from rollout.verify import (PLACEHOLDER, entropy, process_logits, process_logits_with_entropy, rejection_sample,
-                            sample)
+from rollout.verify import PLACEHOLDER, process_logits, process_logits_with_entropy, rejection_sample, sample
+from tests.helpers import entropy
 from tests.lossless import lossy_rejection_sample
 
 

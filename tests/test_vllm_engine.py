@@ -20,7 +20,8 @@ from mtp_heads.heads import MTPHeads, init_heads
 from rollout.models.decoder import random_model
 from rollout.torch_engine import TorchEngine
 from rollout.types import SamplingParams, SpecDecodingStats
-from rollout.verify import entropy, process_logits
+from rollout.verify import process_logits
+from tests.helpers import entropy
 from tests.conftest import random_heads, tiny_config
 
 pytestmark = pytest.mark.vllm
@@ -325,7 +326,7 @@ def test_against_vllm_bench_config_names_bad_engines():
     from rollout.config_loader import load_config
 
     cfg, _ = load_config(AgainstVLLMConfig, ["engines=[vllm-plain,vllm-spec]", "dtypes=[float32]"])
-    assert cfg.engines == ["vllm-plain", "vllm-spec"] and cfg.k == 3
+    assert cfg.engines == ["vllm-plain", "vllm-spec"] and cfg.num_draft_tokens == 3
     with pytest.raises(ValueError, match="engines must be"):
         load_config(AgainstVLLMConfig, ["engines=[vllm-fast]"])
 

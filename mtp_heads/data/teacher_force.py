@@ -33,11 +33,6 @@ def to_bf16_bits(x: torch.Tensor) -> np.ndarray:
     return x.to(torch.bfloat16).contiguous().view(torch.int16).cpu().numpy().view(np.uint16)
 
 
-def bf16_bits_to_float(bits: np.ndarray) -> torch.Tensor:
-    # bits [..., d] uint16 -> float32 tensor
-    return torch.from_numpy(np.ascontiguousarray(bits)).view(torch.bfloat16).float()
-
-
 @torch.inference_mode()
 def teacher_force(policy: CausalLM, seqs: Sequence[np.ndarray], max_batch_tokens: int = 8192,
                   pad_id: int = 0) -> list[np.ndarray]:

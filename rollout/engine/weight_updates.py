@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from mtp_heads.heads import MTPHeads, renamed_single_block
+from mtp_heads.heads import MTPHeads
 from rollout.models.decoder import CausalLM
 from rollout.models.hf_loader import check_finite
 
@@ -34,7 +34,7 @@ def load_heads_update(heads: MTPHeads | None, state_dict: dict) -> None:
     """Load a head state dict in place (the draft vocabulary may change size)."""
     if heads is None:
         raise ValueError("this engine has no heads to update; construct it with heads first")
-    sd = renamed_single_block({k: torch.as_tensor(v) for k, v in state_dict.items()})
+    sd = {k: torch.as_tensor(v) for k, v in state_dict.items()}
     own = heads.state_dict()
     wrong = {k: (tuple(v.shape), tuple(own[k].shape)) for k, v in sd.items()
              if k in own and k != DRAFT_VOCAB and v.shape != own[k].shape}

@@ -86,8 +86,8 @@ def grouped_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
 
     GQA without copying K/V: the `groups` query heads that share a K/V head are folded into the query
     length ([B, H, T, hd] -> [B, H_kv, groups*T, hd]), so SDPA reads the cache as it is. Repeating K/V by
-    hand copied the whole cache per layer and step (B=8: 7.7 ms vs 0.46 ms per layer in bf16; enable_gqa
-    was slower still on CPU; experiments/LOG.md session 5)."""
+    hand copies the whole cache per layer and step, an order of magnitude slower at batch 8; SDPA's
+    enable_gqa is slower still on CPU."""
     B, H, T, hd = q.shape
     H_kv = keys.shape[1]
     out = F.scaled_dot_product_attention(q.reshape(B, H_kv, H // H_kv * T, hd), keys, values, attn_mask=mask)
@@ -162,6 +162,13 @@ class KVCache:
 
 
 Cache = KVCache | PagedKVCache      # what a cached forward takes: same interface, two attention kernels
+
+
+def set_read_len(cache: Cache, read_len: int) -> None:
+    """Attention of a KVCache reads positions < read_len only; a PagedKVCache needs no window (its
+    kernel reads each row's own length), so it is left as it is."""
+    if isinstance(cache, KVCache):
+        cache.read_len = read_len
 
 
 def new_kv_cache(num_layers: int, batch: int, max_len: int, num_kv_heads: int, head_dim: int,

@@ -4,8 +4,8 @@
 shapes (a few rows, SmolLM2's 576 x 1536 matrices) that costs as much as the product itself.
 Packing each weight once (`torch.ops.mkldnn._reorder_linear_weight`, what inductor's `freezing`
 does inside compiled graphs) made those products ~2x faster and flat in the row count from 1 to
-16 (experiments/LOG.md, 2026-12-01 session 4), so a k+1-token verification costs about one step,
-with results bit-identical to `F.linear`. Large inputs (prefill, teacher forcing) keep
+16 (measurements: docs/performance.md), so a k+1-token verification costs about one step, with
+results bit-identical to `F.linear`. Large inputs (prefill, teacher forcing) keep
 `F.linear`, which is faster there.
 
 Packed copies sit in a cache keyed by the weight tensor (held weakly: a freed weight frees its
@@ -25,12 +25,6 @@ from torch import nn
 from rollout.models.dtypes import preferred_dtype
 
 PACKED_MAX_ROWS = 64   # inputs with more rows than this take F.linear (faster for prefill-sized inputs)
-# Switch for debugging (bit-identical either way). It was off for a while on a false alarm: SmolLM2 in
-# bf16 answers "What is the capital of France?" with "L'Étoile..." instead of "The capital of France is
-# Paris." with or without packing, because the first token is a near-tie (float32 logits 25.33 vs 25.24)
-# that bf16 rounding flips (experiments/LOG.md, session 5; tests/test_torch_engine.py checks SmolLM2's
-# bf16 output against float32 end to end with packing on).
-ENABLED = True
 
 
 def _packing_supported() -> bool:
@@ -42,7 +36,7 @@ _SUPPORTED: bool | None = None
 
 def _use_packed(x: torch.Tensor, weight: torch.Tensor) -> bool:
     global _SUPPORTED
-    if not ENABLED or x.device.type != "cpu" or x.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16:
+    if x.device.type != "cpu" or x.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16:
         return False
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
         return False

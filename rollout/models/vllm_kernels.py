@@ -17,8 +17,6 @@ import platform
 import torch
 import torch.nn.functional as F
 
-ENABLED = True              # switch for debugging: False keeps every caller on its torch path
-
 _LOADED: bool | None = None
 
 
@@ -48,7 +46,7 @@ def loaded() -> bool:
             _LOADED = all(hasattr(torch.ops._C, op) for op in ("cpu_attention_with_kv_cache", "rms_norm"))
         except (OSError, RuntimeError):
             _LOADED = False
-    return ENABLED and _LOADED
+    return _LOADED
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""Acceptance-vs-entropy monitoring (DESIGN.md "Definitions").
+"""Acceptance-vs-entropy monitoring (docs/design.md "Definitions").
 
     slope        fit_slope, per_step_slope, SlopeFit: the estimator with its bootstrap interval
     positions    per-draft-position points, entropy bins, the cumulative histogram

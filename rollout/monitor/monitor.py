@@ -2,7 +2,7 @@
 
 The question it answers: as RL raises the policy's entropy, how fast does draft acceptance
 fall (the slope, per nat), and is that slope flat enough for the heads in use? Two slopes
-are measured (see DESIGN.md "Definitions"):
+are measured (see docs/design.md "Definitions"):
 
 - per step: least squares over step means (mean entropy at drafted positions, acceptance
   rate = accepted / proposed), over the whole run and over a rolling window;

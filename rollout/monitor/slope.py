@@ -2,7 +2,7 @@
 
 Why a module of its own: both slopes the monitor reports (per RL step, over step means; per
 draft position, over entropy bins) and the benchmarks use this one estimator, and it is the
-public contract `rollout.monitor.fit_slope` (DESIGN.md). The bootstrap is vectorised over
+public contract `rollout.monitor.fit_slope` (docs/design.md "Contracts"). The bootstrap is vectorised over
 resamples (resample counts times per-point moments), in chunks that bound memory.
 """
 from __future__ import annotations
