@@ -16,7 +16,7 @@ from pathlib import Path
 from mtp_heads.cotrainer import CoTrainerConfig
 from mtp_heads.shipped import check_heads_spec
 from rollout.accelerator import AcceleratorConfig
-from rollout.config_loader import keys_table, load_config
+from rollout.config_loader import CONFIGS_DIR, keys_table, load_config
 from rollout.fileio import atomic_write
 from rollout.monitor import MonitorConfig
 from rollout.types import DRAFT_MODES, SamplingParams
@@ -93,7 +93,7 @@ def load_run_config(argv: list[str]) -> tuple[RunConfig, str]:
 
 
 USAGE = "python -m experiments.async_rl [configs/<job>.yaml] [key=value ...]"
-README = Path(__file__).resolve().parents[1] / "configs" / "README.md"
+README = CONFIGS_DIR / "README.md"
 TABLE_SECTION = "## All keys"
 
 
