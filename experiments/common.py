@@ -5,6 +5,7 @@ another (tests/test_layering.py lists those pairs); everything else they share l
 """
 from __future__ import annotations
 
+import json
 import math
 import platform
 import shutil
@@ -13,9 +14,10 @@ from pathlib import Path
 import torch
 
 from rollout.config_loader import packaged_config
+from rollout.fileio import atomic_write
 from rollout.monitor.monitor import AcceptanceMonitor
 from rollout.monitor.plots import new_figure
-from rollout.monitor.records import as_float
+from rollout.monitor.records import as_float, json_safe, records_csv
 from rollout.run_dir import read_jsonl
 
 
@@ -130,6 +132,20 @@ def copy_results(out: Path, names: tuple[str, ...], results_dir: str) -> None:
         dst.mkdir(parents=True, exist_ok=True)
         for name in names:
             shutil.copyfile(out / name, dst / name)
+
+
+def write_study_results(out: Path, stem: str, records: list[dict], table_md: str, plot, nested: tuple[str, ...],
+                        results_dir: str) -> tuple[str, ...]:
+    """A study's four result files in out (<stem>.json, .csv without the `nested` keys, .md, .png drawn by
+    plot(path, records)), each written atomically, then copied to results_dir; their names."""
+    safe = [json_safe(r) for r in records]
+    atomic_write(out / f"{stem}.json", json.dumps(safe, indent=1) + "\n")
+    atomic_write(out / f"{stem}.csv", records_csv([{k: v for k, v in r.items() if k not in nested} for r in safe]))
+    atomic_write(out / f"{stem}.md", table_md)
+    plot(out / f"{stem}.png", records)
+    names = tuple(f"{stem}.{ext}" for ext in ("json", "csv", "md", "png"))
+    copy_results(out, names, results_dir)
+    return names
 
 
 def mode_panels(n: int):

@@ -27,16 +27,14 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-
 import numpy as np
 
-from experiments.common import (check_cells, copy_results, finish_mode_panel, fmt_num, mode_panels, run_cell,
-                                summarize_run)
+from experiments.common import (check_cells, finish_mode_panel, fmt_num, mode_panels, run_cell, summarize_run,
+                                write_study_results)
 from mtp_heads.distill import check_objective
 from rollout.config_loader import packaged_config, preset_main, write_resolved
-from rollout.fileio import atomic_write
 from rollout.monitor.plots import column, save_png
-from rollout.monitor.records import fit_from_dict, json_safe, records_csv
+from rollout.monitor.records import fit_from_dict
 from rollout.run_dir import RunLock
 from rollout.types import check_draft_modes
 
@@ -180,10 +178,6 @@ def tables(records: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _flat(r: dict) -> dict:
-    return {k: v for k, v in r.items() if k not in ("domains", "points", "heads_heldout")}
-
-
 def plot_ablation(path: Path, records: list[dict]) -> None:
     """The ablation's figure: one panel per draft mode, one colour per head objective; each RL
     step is a point (mean entropy at reached draft positions, acceptance rate), with the cell's
@@ -209,12 +203,8 @@ def plot_ablation(path: Path, records: list[dict]) -> None:
 
 
 def write_results(out: Path, records: list[dict], results_dir: str) -> None:
-    safe = [json_safe(r) for r in records]
-    atomic_write(out / "ablation.json", json.dumps(safe, indent=1) + "\n")
-    atomic_write(out / "ablation.csv", records_csv([_flat(r) for r in safe]))
-    atomic_write(out / "ablation.md", tables(records))
-    plot_ablation(out / "ablation.png", records)
-    copy_results(out, RESULTS, results_dir)
+    write_study_results(out, "ablation", records, tables(records), plot_ablation,
+                        ("domains", "points", "heads_heldout"), results_dir)
 
 
 def run(cfg: AblationConfig, resolved: str) -> list[dict]:

@@ -15,7 +15,6 @@ refreshes marked); `results_dir` gets a copy. Finished runs are reused, interrup
 """
 from __future__ import annotations
 
-import json
 import math
 import sys
 from dataclasses import dataclass, field
@@ -23,12 +22,11 @@ from pathlib import Path
 
 import numpy as np
 
-from experiments.common import check_cells, copy_results, fmt_num, run_cell, summarize_run
+from experiments.common import check_cells, fmt_num, run_cell, summarize_run, write_study_results
 from rollout.config_loader import packaged_config, preset_main, write_resolved
-from rollout.fileio import atomic_write
 from rollout.monitor.monitor import AcceptanceMonitor
 from rollout.monitor.plots import column, new_figure, save_png
-from rollout.monitor.records import as_float, json_safe, records_csv
+from rollout.monitor.records import as_float
 from rollout.run_dir import RunLock
 
 DEFAULT_CONFIG = packaged_config("refresh_study")
@@ -117,15 +115,8 @@ def plot_refresh_study(path: Path, records: list[dict]) -> None:
 
 
 def write_results(out: Path, records: list[dict], results_dir: str) -> None:
-    safe = [json_safe(r) for r in records]
-    atomic_write(out / "refresh.json", json.dumps(safe, indent=1) + "\n")
-    flat = [{k: v for k, v in r.items() if k not in ("domains", "points", "per_step", "refresh_steps",
-                                                                    "published_at")}
-            for r in safe]
-    atomic_write(out / "refresh.csv", records_csv(flat))
-    atomic_write(out / "refresh.md", table(records))
-    plot_refresh_study(out / "refresh.png", records)
-    copy_results(out, RESULTS, results_dir)
+    write_study_results(out, "refresh", records, table(records), plot_refresh_study,
+                        ("domains", "points", "per_step", "refresh_steps", "published_at"), results_dir)
 
 
 def run(cfg: RefreshStudyConfig, resolved: str) -> list[dict]:
