@@ -26,7 +26,7 @@ from rollout.engine.round import (PhaseTimes, RoundContext, RoundResult, commit,
 from rollout.engine.state import DecodeState, Results, gather_rows
 from rollout.models.decoder import Cache, CausalLM, set_read_len
 from rollout.types import RolloutBatch, SamplingParams, validate_request
-from rollout.verify import process_logits_with_entropy, sample
+from rollout.verify import process_logits_with_stats, sample
 
 __all__ = ["TorchEngine", "EngineConfig"]
 
@@ -182,13 +182,14 @@ class TorchEngine:
         hidden[:, :P] = self._prompt_states(seq[:, :P], cache)
         st = DecodeState(seq=seq, committed=lengths.clone(), prompt_len=lengths, hidden=hidden,
                          logprob=torch.zeros(B, L, device=dev), token_entropy=torch.zeros(B, L, device=dev),
+                         token_max_prob=torch.zeros(B, L, device=dev),
                          finished=row_ids < 0, stopped=torch.zeros(B, dtype=torch.bool, device=dev),
                          row_ids=row_ids, target=cache, longest=P + 1)  # + the token sampled below
         rows = torch.arange(B, device=dev)
         last_logits = self.policy.compute_logits(hidden[rows, lengths - 1])              # [B, V]
-        probs, ent = process_logits_with_entropy(last_logits, sp.temperature, sp.top_k, sp.top_p)
+        probs, ent, p_max = process_logits_with_stats(last_logits, sp.temperature, sp.top_k, sp.top_p)
         commit(ctx, st, sample(probs, gen)[:, None], torch.zeros(B, dtype=torch.long, device=dev),
-               last_logits[:, None], ent[:, None])
+               last_logits[:, None], ent[:, None], p_max[:, None])
         if k > 0:
             st.heads = self._head_caches(B, L)
             st.head_len = [torch.zeros(B, dtype=torch.long, device=dev) for _ in st.heads]

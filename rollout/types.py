@@ -122,6 +122,7 @@ class Completion:
     tokens: list[int]                   # emitted tokens (stop token included when hit)
     logprobs: list[float]               # log p_policy(token) from raw logits (temperature 1, no top-k/p)
     entropies: list[float]              # entropy (nats) of the processed target dist. each token came from
+    max_probs: list[float] = field(default_factory=list)  # max_v p(v) of that dist. (1 at temperature 0)
     # speculative rounds: round r proposed k drafts, accepted round_accepted[r] of them;
     # draft_entropies[r][j] is H(p) at draft position j of round r (reached iff j <= accepted).
     round_accepted: list[int] = field(default_factory=list)

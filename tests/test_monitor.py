@@ -44,8 +44,9 @@ def sampled_completion(rng, *, h_max: float, slope: float = -0.3, k: int = 3, ro
     ok = rng.random((rounds, k)) < np.clip(0.95 + slope * h, 0.0, 1.0)      # [R, k]
     accepted = np.cumprod(ok, axis=1).sum(axis=1)                          # [R]
     n_tok = int((accepted + 1).sum())
+    ent = rng.uniform(0.0, h_max, n_tok)
     return Completion(prompt=[1], tokens=[7] * n_tok, logprobs=[0.0] * n_tok,
-                      entropies=rng.uniform(0.0, h_max, n_tok).tolist(),
+                      entropies=ent.tolist(), max_probs=np.exp(-ent).tolist(),
                       round_accepted=accepted.tolist(), draft_entropies=h.tolist(), num_draft_tokens=k,
                       policy_version=policy_version, head_version=head_version, domain=domain)
 
@@ -252,6 +253,28 @@ def test_record_step_reports_counts_versions_domains_and_staleness(tmp_path):
     assert json.loads(lines[2]) == rec   # the returned record is exactly what was logged
 
 
+def test_record_step_reports_max_prob_mean_and_share_over_0_9_per_batch_and_domain(tmp_path):
+    """max_prob_mean: mean max_v p(v) over emitted tokens; max_prob_over_0_9: share of them above 0.9
+    (0.9 itself is not above). Completions without max_probs count for nothing."""
+    def comp(max_probs, domain):
+        n = len(max_probs)
+        return Completion(prompt=[1], tokens=[7] * n, logprobs=[0.0] * n, entropies=[0.5] * n,
+                          max_probs=max_probs, domain=domain)
+    batch = RolloutBatch([comp([0.95, 0.5, 0.99, 0.2], "math"), comp([0.9, 1.0], "code"),
+                          Completion(prompt=[1], tokens=[7], logprobs=[0.0], entropies=[0.5], domain="code")])
+    with AcceptanceMonitor(config(tmp_path)) as mon:
+        rec = mon.record_step(0, batch)
+        alone = mon.record_step(1, RolloutBatch([batch.completions[2]]))
+    math, code = rec["domains"]["math"], rec["domains"]["code"]
+    assert math["max_prob_mean"] == pytest.approx(0.66) and math["max_prob_over_0_9"] == pytest.approx(0.5)
+    assert code["max_prob_mean"] == pytest.approx(0.95) and code["max_prob_over_0_9"] == pytest.approx(0.5)
+    assert rec["max_prob_mean"] == pytest.approx(4.54 / 6) and rec["max_prob_over_0_9"] == pytest.approx(3 / 6)
+    assert rec["entropy_token"] == pytest.approx(0.5)
+    assert alone["max_prob_mean"] is None and alone["max_prob_over_0_9"] is None     # NaN, logged as null
+    flat = flatten_record(rec)
+    assert flat["domains.math.max_prob_over_0_9"] == pytest.approx(0.5) and flat["max_prob_mean"] == rec["max_prob_mean"]
+
+
 def test_jsonl_survives_a_crash_mid_write_and_the_run_continues(tmp_path, caplog):
     rng = np.random.default_rng(2)
     mon = AcceptanceMonitor(config(tmp_path))
@@ -329,8 +352,8 @@ def test_csv_pngs_and_tensorboard_are_written(tmp_path):
     mon.close()
     mon.close()   # idempotent
     out = tmp_path / "mon"
-    # PNGs at the figure sizes the plots promise (12.5 x 4.8 in and 10 x 8 in at 110 dpi)
-    for name, size in (("acceptance_vs_entropy.png", (1375, 528)), ("over_steps.png", (1100, 880))):
+    # PNGs at the figure sizes the plots promise (12.5 x 4.8 in and 10 x 10 in at 110 dpi)
+    for name, size in (("acceptance_vs_entropy.png", (1375, 528)), ("over_steps.png", (1100, 1100))):
         head = (out / name).read_bytes()[:24]
         assert head[:8] == b"\x89PNG\r\n\x1a\n" and struct.unpack(">II", head[16:24]) == size
     # the CSV holds every record's flat columns, value for value
@@ -341,13 +364,15 @@ def test_csv_pngs_and_tensorboard_are_written(tmp_path):
         for col, v in flatten_record(rec).items():
             assert row[col] == ("" if v is None else str(v)), col
     assert "domains.math.slope_position_step.slope" in rows[0]
+    assert {"max_prob_mean", "max_prob_over_0_9", "domains.code.max_prob_over_0_9"} <= set(rows[0])
     # TensorBoard: the same numbers under '/'-joined tags
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     acc = EventAccumulator(str(out / "tb"))
     acc.Reload()
     for tag, col in (("acceptance_rate", "acceptance_rate"), ("slope_step_window/slope", "slope_step_window.slope"),
-                     ("domains/code/acceptance_rate", "domains.code.acceptance_rate")):
+                     ("domains/code/acceptance_rate", "domains.code.acceptance_rate"),
+                     ("domains/math/max_prob_over_0_9", "domains.math.max_prob_over_0_9")):
         got = [(e.step, e.value) for e in acc.Scalars(tag)]
         want = [(r["step"], flatten_record(r)[col]) for r in mon.records if flatten_record(r)[col] is not None]
         assert [g[0] for g in got] == [w[0] for w in want] and [g[1] for g in got] == pytest.approx(

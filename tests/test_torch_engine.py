@@ -11,6 +11,7 @@ from rollout.models import paged_attention
 from rollout.models.decoder import random_model
 from rollout.torch_engine import TorchEngine
 from rollout.types import SamplingParams
+from rollout.verify import process_logits
 from tests.conftest import random_heads, tiny_config
 from tests.lossless import MIXED_PROMPTS, chi2_pvalue, continuation_counts, lossy_rejection_sample
 
@@ -136,6 +137,30 @@ def test_logprobs_equal_teacher_forced_forward(tiny_policy, tiny_heads, k):
         probs = logp[P - 1:-1].exp()
         ent = -(probs * logp[P - 1:-1]).sum(-1)
         assert torch.allclose(torch.tensor(comp.entropies), ent, atol=1e-4)
+
+
+@pytest.mark.parametrize("k", [0, 3])
+@pytest.mark.parametrize("temperature,top_k,top_p", [(0.0, 0, 1.0), (1.0, 0, 1.0), (0.7, 5, 0.9)])
+def test_max_probs_equal_teacher_forced_forward(tiny_policy, tiny_heads, k, temperature, top_k, top_p):
+    """max_probs[i] = max_v p(v) of the processed distribution tokens[i] was drawn from, in the plain
+    and the speculative path alike (one-hot at temperature 0: max-prob 1, entropy 0)."""
+    engine = TorchEngine(tiny_policy, tiny_heads)
+    out = engine.generate(PROMPTS, SamplingParams(max_new_tokens=20, temperature=temperature, top_k=top_k,
+                                                  top_p=top_p, num_draft_tokens=k, seed=0, ignore_eos=True))
+    for comp in out.completions:
+        assert len(comp.max_probs) == len(comp.tokens) == 20
+        full = torch.tensor([comp.prompt + comp.tokens])
+        P = len(comp.prompt)
+        logits = tiny_policy.compute_logits(tiny_policy.hidden_states(full)[0])[P - 1:-1]    # [n, V]
+        if temperature == 0:
+            expected = torch.ones(len(comp.tokens))
+            assert comp.entropies == [0.0] * len(comp.tokens)
+        elif top_k or top_p < 1:
+            expected = process_logits(logits, temperature, top_k, top_p).amax(-1)
+        else:
+            expected = (logits / temperature).softmax(-1).amax(-1)
+        assert torch.allclose(torch.tensor(comp.max_probs), expected, atol=1e-5)
+        assert all(p >= 1 / tiny_policy.config.vocab_size - 1e-6 for p in comp.max_probs)
 
 
 def test_cache_after_rejection_equals_fresh_prefill(tiny_policy):

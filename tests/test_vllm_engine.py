@@ -87,11 +87,12 @@ def _assert_same_per_position(a: SpecDecodingStats, b: SpecDecodingStats) -> Non
 
 @torch.inference_mode()
 def _teacher_forced(policy, prompt: list[int], tokens: list[int], sp: SamplingParams):
-    """Our torch policy over prompt + completion in one forward: per-token entropy of the processed
-    target distribution [T] and the final-norm hidden state that predicted each token [T, d]."""
+    """Our torch policy over prompt + completion in one forward: per-token entropy [T] and largest
+    probability [T] of the processed target distribution, and the final-norm hidden state that
+    predicted each token [T, d]."""
     h = policy.hidden_states(torch.tensor([prompt + tokens[:-1]]))[0, len(prompt) - 1:]
     probs = process_logits(policy.compute_logits(h), sp.temperature, sp.top_k, sp.top_p)
-    return entropy(probs).numpy(), h.numpy()
+    return entropy(probs).numpy(), probs.amax(-1).numpy(), h.numpy()
 
 
 # ------------------------------------------------------------------------------ greedy draft mode
@@ -104,6 +105,7 @@ def test_temperature_0_identical_outputs_and_acceptance(engine, policy, good_hea
         assert c_v.round_accepted == c_t.round_accepted      # same drafter function, same KV history
         np.testing.assert_allclose(c_v.logprobs, c_t.logprobs, atol=1e-4)
         np.testing.assert_allclose(c_v.entropies, c_t.entropies, atol=1e-4)
+        assert c_v.max_probs == c_t.max_probs == [1.0] * len(c_v.tokens)    # one-hot p at temperature 0
         assert len(c_v.draft_entropies) == len(c_v.round_accepted)
         assert (c_v.policy_version, c_v.head_version, c_v.finish_reason) == (0, 0, "length")
     # vLLM's own counters agree with the per-request ones
@@ -124,8 +126,9 @@ def test_temperature_1_acceptance_matches_torch_greedy_mode(engine, policy, good
 
 def test_entropies_and_hidden_states_come_from_vllm_without_a_second_pass(engine, policy, monkeypatch):
     """Entropy of the processed target distribution (temperature, top-k, top-p) of every emitted token
-    and at every draft position, computed inside vLLM: equal to the torch policy's teacher-forced
-    values, and the engine's torch copy of the policy is never run."""
+    and at every draft position, and its max-probability at every emitted token, computed inside vLLM:
+    equal to the torch policy's teacher-forced values, and the engine's torch copy of the policy is
+    never run."""
     prompts = _prompts(4, seed=3)
     sp = SamplingParams(max_new_tokens=24, temperature=0.9, top_k=40, top_p=0.9, num_draft_tokens=K,
                         draft_mode="greedy", ignore_eos=True, seed=3, return_hidden_states=True)
@@ -137,10 +140,12 @@ def test_entropies_and_hidden_states_come_from_vllm_without_a_second_pass(engine
     monkeypatch.undo()
     reached = 0
     for c in batch.completions:
-        ent, hidden = _teacher_forced(policy, c.prompt, c.tokens, sp)
-        assert len(c.entropies) == len(c.tokens) == 24
+        ent, max_prob, hidden = _teacher_forced(policy, c.prompt, c.tokens, sp)
+        assert len(c.entropies) == len(c.max_probs) == len(c.tokens) == 24
         np.testing.assert_allclose(c.entropies, ent, atol=1e-3)
         assert max(c.entropies) > 0.5                       # a real distribution, not a one-hot
+        np.testing.assert_allclose(c.max_probs, max_prob, atol=1e-3)
+        assert min(c.max_probs) < 0.9
         np.testing.assert_allclose(c.hidden_states, hidden, atol=1e-4)
         # round r verified positions t_r .. t_r + k: reached draft positions emitted tokens t_r + j
         assert len(c.draft_entropies) == len(c.round_accepted)

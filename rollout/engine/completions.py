@@ -11,6 +11,7 @@ from rollout.types import Completion, RolloutBatch, SamplingParams
 def build(prompts: list[list[int]], res: Results, records: list[RoundResult], sp: SamplingParams,
           policy_version: int, head_version: int) -> RolloutBatch:
     seq, logprob, tok_ent = res.seq.cpu().numpy(), res.logprob.cpu().numpy(), res.token_entropy.cpu().numpy()
+    tok_max = res.token_max_prob.cpu().numpy()
     committed, prompt_len, stopped = res.committed.tolist(), res.prompt_len.tolist(), res.stopped.tolist()
     completions = []
     for b, prompt in enumerate(prompts):
@@ -18,6 +19,7 @@ def build(prompts: list[list[int]], res: Results, records: list[RoundResult], sp
         comp = Completion(
             prompt=list(map(int, prompt)), tokens=seq[b, lo:hi].tolist(),
             logprobs=logprob[b, lo:hi].tolist(), entropies=tok_ent[b, lo:hi].tolist(),
+            max_probs=tok_max[b, lo:hi].tolist(),
             num_draft_tokens=sp.num_draft_tokens, finish_reason="stop" if stopped[b] else "length",
             policy_version=policy_version, head_version=head_version,
         )

@@ -19,7 +19,7 @@ from rollout.engine.forwards import Forwards
 from rollout.engine.state import DecodeState
 from rollout.models.decoder import CausalLM, set_read_len
 from rollout.types import SamplingParams
-from rollout.verify import process_logits, process_logits_with_entropy, rejection_sample, sample
+from rollout.verify import process_logits, process_logits_with_stats, rejection_sample, sample
 
 PHASES = ("draft", "verify", "accept", "commit")
 
@@ -115,7 +115,7 @@ def run_round(ctx: RoundContext, st: DecodeState, k: int) -> RoundResult:
         positions = (c - 1)[:, None] + torch.arange(k + 1, device=dev)
         st.hidden[rows[:, None], positions] = hidden
         logits = ctx.policy.compute_logits(hidden)                                        # [B, k+1, V]
-        target_probs, ent = process_logits_with_entropy(logits, sp.temperature, sp.top_k, sp.top_p)
+        target_probs, ent, p_max = process_logits_with_stats(logits, sp.temperature, sp.top_k, sp.top_p)
     with ctx.times.phase("accept", dev):
         num_drafts = torch.full((B,), k, dtype=torch.long, device=dev)
         if k == 0:   # a plain step: nothing to verify, the token is a draw from p
@@ -127,7 +127,7 @@ def run_round(ctx: RoundContext, st: DecodeState, k: int) -> RoundResult:
             output, num_accepted = rejection_sample(drafts, None if sp.draft_mode == "greedy" else draft_probs,
                                                     target_probs, ctx.generator, num_drafts)
     with ctx.times.phase("commit", dev):
-        commit(ctx, st, output, num_accepted, logits, ent)                                # ent [B, k+1]
+        commit(ctx, st, output, num_accepted, logits, ent, p_max)                         # [B, k+1] each
     ctx.times.rounds += 1
     for j in range(len(st.head_lag)):  # every row advanced by at most k+1 positions
         st.head_lag[j] += k + 1
@@ -217,10 +217,10 @@ def draft_token(ctx: RoundContext, head_hidden: torch.Tensor):
 
 
 # --------------------------------------------------------------------------------- commit
-def commit(ctx: RoundContext, st: DecodeState, output, num_accepted, logits, ent) -> None:
+def commit(ctx: RoundContext, st: DecodeState, output, num_accepted, logits, ent, p_max) -> None:
     """Append each active row's n+1 emitted tokens, cut at a stop token or max_new_tokens.
 
-    output [B, k+1] (-1 after the last); num_accepted [B]; logits [B, k+1, V]; ent [B, k+1]."""
+    output [B, k+1] (-1 after the last); num_accepted [B]; logits [B, k+1, V]; ent, p_max [B, k+1]."""
     sp = ctx.sampling
     B, width = output.shape
     dev = output.device
@@ -240,6 +240,7 @@ def commit(ctx: RoundContext, st: DecodeState, output, num_accepted, logits, ent
     logp = F.log_softmax(logits.float(), -1).gather(-1, tokens[..., None]).squeeze(-1)
     st.logprob[rows, pos] = torch.where(keep, logp, st.logprob[rows, pos])
     st.token_entropy[rows, pos] = torch.where(keep, ent, st.token_entropy[rows, pos])
+    st.token_max_prob[rows, pos] = torch.where(keep, p_max.float(), st.token_max_prob[rows, pos])
     st.committed = c + count
     hit_stop = first_stop < count
     st.stopped |= hit_stop & ~st.finished

@@ -26,6 +26,7 @@ class DecodeState:
     hidden: torch.Tensor         # [B, L, d] policy final-norm states
     logprob: torch.Tensor        # [B, L] log p(raw) of each emitted token at its position
     token_entropy: torch.Tensor  # [B, L] H(processed p) each emitted token came from
+    token_max_prob: torch.Tensor  # [B, L] max_v of that processed p (1 at temperature 0)
     finished: torch.Tensor       # [B] bool (padding rows start finished)
     stopped: torch.Tensor        # [B] bool, finished on a stop token
     row_ids: torch.Tensor        # [B] int64 prompt index of each slot, -1 = padding
@@ -47,8 +48,8 @@ class DecodeState:
         return self.seq.shape[1]
 
 
-_ROW_TENSORS = ("seq", "committed", "prompt_len", "hidden", "logprob", "token_entropy", "finished", "stopped",
-                "row_ids")
+_ROW_TENSORS = ("seq", "committed", "prompt_len", "hidden", "logprob", "token_entropy", "token_max_prob", "finished",
+                "stopped", "row_ids")
 
 
 def gather_rows(state: DecodeState, idx: torch.Tensor, target: Cache, heads: list[Cache]) -> DecodeState:
@@ -73,6 +74,7 @@ class Results:
         self.prompt_len = z(num_rows, dt=torch.long)
         self.logprob = z(num_rows, max_len)
         self.token_entropy = z(num_rows, max_len)
+        self.token_max_prob = z(num_rows, max_len)
         self.stopped = z(num_rows, dt=torch.bool)
         self.hidden = z(num_rows, max_len, hidden_size, dt=dtype) if keep_hidden else None
 
@@ -81,7 +83,7 @@ class Results:
         if slots is None:
             slots = (state.row_ids >= 0).nonzero().squeeze(1)
         rows = state.row_ids[slots]
-        for name in ("seq", "committed", "prompt_len", "logprob", "token_entropy", "stopped"):
+        for name in ("seq", "committed", "prompt_len", "logprob", "token_entropy", "token_max_prob", "stopped"):
             getattr(self, name)[rows] = getattr(state, name)[slots]
         if self.hidden is not None:
             self.hidden[rows] = state.hidden[slots]

@@ -45,6 +45,7 @@ import torch
 from transformers import TrainerCallback
 
 from rollout.accelerator import RolloutAccelerator
+from rollout.monitor.step_stats import max_prob_stats
 from rollout.types import Completion, RolloutBatch, SamplingParams
 
 if TYPE_CHECKING:
@@ -54,7 +55,7 @@ logger = logging.getLogger(__name__)
 
 # per-completion fields returned next to the ids; TRL passes them to reward functions as kwargs
 FIELDS = ("policy_version", "head_version", "acceptance_rate", "acceptance_length", "num_draft_tokens",
-          "mean_entropy", "entropies", "finish_reason")
+          "mean_entropy", "entropies", "mean_max_prob", "max_probs", "finish_reason")
 
 # prefixes that wrappers put before the model's own parameter names (DDP/accelerate, torch.compile)
 WRAPPER_PREFIXES = ("module.", "_orig_mod.")
@@ -136,7 +137,9 @@ def completion_fields(c: Completion) -> dict[str, Any]:
             "acceptance_rate": stats.acceptance_rate, "acceptance_length": stats.acceptance_length,
             "num_draft_tokens": c.num_draft_tokens,
             "mean_entropy": float(np.mean(c.entropies)) if c.entropies else float("nan"),
-            "entropies": list(c.entropies), "finish_reason": c.finish_reason}
+            "entropies": list(c.entropies),
+            "mean_max_prob": float(np.mean(c.max_probs)) if c.max_probs else float("nan"),
+            "max_probs": list(c.max_probs), "finish_reason": c.finish_reason}
 
 
 # ------------------------------------------------------------------------------ the adapter
@@ -223,6 +226,7 @@ class TRLRollout(TrainerCallback):
         ent = [h for c in comps for h in c.entropies]
         values = {"rollout/acceptance_rate": stats.acceptance_rate, "rollout/acceptance_length": stats.acceptance_length,
                   "rollout/entropy": float(np.mean(ent)) if ent else float("nan"),
+                  **{f"rollout/{k}": v for k, v in max_prob_stats(comps).items()},
                   "rollout/tokens_per_s": batch.tokens_per_s, "rollout/wall_time_s": batch.wall_time_s,
                   "rollout/policy_version": float(max(c.policy_version for c in comps)),
                   "rollout/head_version": float(max(c.head_version for c in comps))}

@@ -1,6 +1,7 @@
 """The monitor's two figures: acceptance vs entropy (per position and per step), and
-acceptance, entropy and tau over RL steps with refreshes and alerts marked. The studies in
-experiments/ draw theirs with the same helpers (new_figure, save_png, column).
+acceptance, entropy, the policy's max-probability and tau over RL steps with refreshes and
+alerts marked. The studies in experiments/ draw theirs with the same helpers (new_figure,
+save_png, column).
 
 matplotlib's object API on Agg: no pyplot, no global backend switch, safe in Ray workers
 and threads. PNGs are written atomically so a viewer never shows half a file.
@@ -103,10 +104,11 @@ def _mark_events(ax, events: list[dict], legend: bool) -> None:
 
 def plot_over_steps(path: Path, records: list[dict], events: list[dict], *, window: int,
                     min_acceptance: float) -> None:
-    """Acceptance, entropy and tau against RL step, with refresh events and alert steps marked."""
-    fig, axes = new_figure(3, 1, (10, 8), dict(left=0.08, right=0.98, bottom=0.06, top=0.98, hspace=0.08),
+    """Acceptance, entropy, the policy's max-probability and tau against RL step, with refresh events
+    and alert steps marked."""
+    fig, axes = new_figure(4, 1, (10, 10), dict(left=0.08, right=0.98, bottom=0.05, top=0.985, hspace=0.08),
                             sharex=True)
-    ax_acc, ax_ent, ax_tau = axes[:, 0]
+    ax_acc, ax_ent, ax_max, ax_tau = axes[:, 0]
     steps = column(records, "step")
     acc = column(records, "acceptance_rate")
     ax_acc.plot(steps, acc, "o-", ms=3, color="tab:blue", label="acceptance rate")
@@ -123,9 +125,13 @@ def plot_over_steps(path: Path, records: list[dict], events: list[dict], *, wind
     ax_ent.plot(steps, column(records, "entropy_drafted"), "o-", ms=3, label="at drafted positions")
     ax_ent.plot(steps, column(records, "entropy_token"), "s-", ms=3, alpha=0.7, label="per emitted token")
     ax_ent.set(ylabel="entropy (nats)")
+    ax_max.plot(steps, column(records, "max_prob_mean"), "o-", ms=3, color="tab:green", label="mean max_v p(v)")
+    ax_max.plot(steps, column(records, "max_prob_over_0_9"), "s--", ms=3, color="tab:olive",
+                label="share of tokens with max_v p(v) > 0.9")
+    ax_max.set(ylabel="max-probability of p", ylim=(-0.02, 1.02))
     ax_tau.plot(steps, column(records, "acceptance_length"), "o-", ms=3, color="tab:purple", label="tau")
     ax_tau.set(ylabel="tokens / verification (tau)", xlabel="RL step")
-    for i, ax in enumerate((ax_acc, ax_ent, ax_tau)):
+    for i, ax in enumerate((ax_acc, ax_ent, ax_max, ax_tau)):
         _mark_events(ax, events, legend=i == 0)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7, loc="best")

@@ -1,7 +1,7 @@
 """Per-group step statistics (the whole batch, or one task domain) and their history.
 
 One RL step's completions become step means (acceptance rate, tau, conditional acceptance,
-entropy at drafted positions); each group keeps those means across steps for the slopes
+entropy at drafted positions, the policy's max-probability per emitted token); each group keeps those means across steps for the slopes
 over steps and the windowed acceptance, plus its cumulative per-position histogram.
 """
 from __future__ import annotations
@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from itertools import chain
 from typing import Any
 
 import numpy as np
@@ -20,6 +21,16 @@ from rollout.types import Completion, SpecDecodingStats
 def mean_or_nan(xs) -> float:
     a = np.asarray(xs, dtype=np.float64)
     return float(a.mean()) if a.size else float("nan")
+
+
+def max_prob_stats(completions: Sequence[Completion]) -> dict[str, float]:
+    """Mean max_v p(v) over emitted tokens and the share above 0.9: how often a point-mass draft (greedy,
+    or a token copied from other rollouts) can pass at best, as RL sharpens or flattens p. Completions
+    without max_probs (a producer that does not record them) count for nothing; none at all gives NaN."""
+    mp = np.fromiter(chain.from_iterable(c.max_probs for c in completions), np.float64)      # [N tokens]
+    if not mp.size:
+        return {"max_prob_mean": float("nan"), "max_prob_over_0_9": float("nan")}
+    return {"max_prob_mean": float(mp.mean()), "max_prob_over_0_9": float((mp > 0.9).mean())}
 
 
 def group_stats(completions: Sequence[Completion]) -> tuple[dict[str, Any], PositionPoints]:
@@ -40,6 +51,7 @@ def group_stats(completions: Sequence[Completion]) -> tuple[dict[str, Any], Posi
         "cond_acceptance": stats.conditional_acceptance,
         "entropy_drafted": mean_or_nan(pts.entropy[pts.reached]),
         "entropy_token": mean_or_nan([h for c in completions for h in c.entropies]),
+        **max_prob_stats(completions),
     }
     return block, pts
 

@@ -8,7 +8,8 @@ How the pieces map onto vLLM 0.32 (the modules of this package):
   * heads   -> our out-of-tree drafter (drafter.py) under the `eagle` method: one layer applied
                recurrently at every draft position, which is the torch engine with D = 1;
   * draft_mode greedy | rejection -> SpeculativeConfig.draft_sample_method greedy | probabilistic;
-  * entropies / hidden states -> computed inside vLLM's worker at sampling time (token_stats.py);
+  * entropies / max-probabilities / hidden states -> computed inside vLLM's worker at sampling time
+               (token_stats.py);
   * refresh -> vLLM's in-place reload (reload.py) through llm.collective_rpc, then a prefix-cache reset;
   * acceptance -> per request from `per_request_spec_decode_metrics="detailed"` and per call from
                llm.get_metrics() counters (metrics.py);
@@ -202,11 +203,11 @@ class VLLMEngine:
         comp = Completion(
             prompt=list(map(int, prompt)), tokens=tokens,
             logprobs=[float(lp[t].logprob) for lp, t in zip(o.logprobs or [], tokens)],
-            entropies=rec.entropies[:n], num_draft_tokens=k,
+            entropies=rec.entropies[:n], max_probs=rec.max_probs[:n], num_draft_tokens=k,
             finish_reason="stop" if o.finish_reason == "stop" else "length",
             policy_version=self.policy_version, head_version=self.head_version,
             hidden_states=np.concatenate(rec.hidden)[:n] if sp.return_hidden_states and rec.hidden else None)
-        if len(comp.entropies) != n:
+        if len(comp.entropies) != n or len(comp.max_probs) != n:
             raise RuntimeError(f"vLLM emitted {n} tokens but the sampling hook saw {len(comp.entropies)}")
         if sp.return_hidden_states and comp.hidden_states is None:
             comp.hidden_states = np.zeros((0, self.policy.config.hidden_size), np.float32)

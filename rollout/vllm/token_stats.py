@@ -1,5 +1,6 @@
 """Per-token statistics computed inside vLLM's worker: the entropy of the processed target
-distribution at every emitted and drafted position, and (on request) the target hidden states.
+distribution at every emitted and drafted position, its largest probability at every emitted
+position, and (on request) the target hidden states.
 
 Why a hook here: vLLM returns at most the top-20 log-probs, so the entropy of the distribution a
 token was sampled from cannot be rebuilt outside; before this hook the engine ran a second,
@@ -12,6 +13,7 @@ the per-request temperature / top-k / top-p. `install` wraps that method on the 
 logits in place),
 
     H_row = -sum_v p(v) log p(v),   p = softmax(top_k_top_p(logits / T))   (0 for greedy rows)
+    max_row = max_v p(v)                                                   (1 for greedy rows)
 
 with vLLM's own top-k/top-p function, and after it, to keep the rows of the tokens it emitted:
 row t of a step emitted that step's token t, so a step that emitted m tokens keeps rows 0..m-1,
@@ -37,18 +39,22 @@ class RequestStats:
     """What one request accumulated over its steps (worker side)."""
 
     entropies: list[float] = field(default_factory=list)        # per emitted token
+    max_probs: list[float] = field(default_factory=list)        # per emitted token: max_v p(v)
     rounds: list[list[float]] = field(default_factory=list)     # per step with drafts: H at draft positions
     hidden: list[np.ndarray] = field(default_factory=list)      # per step: [m, d] float32 (capture_hidden)
 
 
-def processed_entropy(logits: torch.Tensor, temperature: torch.Tensor | None, top_k: torch.Tensor | None,
-                      top_p: torch.Tensor | None) -> torch.Tensor:
-    """Entropy in nats of vLLM's sampling distribution per row.
+def processed_stats(logits: torch.Tensor, temperature: torch.Tensor | None, top_k: torch.Tensor | None,
+                    top_p: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Entropy in nats and largest probability of vLLM's sampling distribution per row (a greedy
+    row's distribution is one-hot: 0 and 1).
 
-    logits [R, V]; temperature / top_k / top_p [R] or None (None temperature = all greedy) -> [R] float32.
+    logits [R, V]; temperature / top_k / top_p [R] or None (None temperature = all greedy)
+    -> (entropy [R], max_prob [R]) float32.
     """
     if temperature is None:
-        return logits.new_zeros(logits.shape[0], dtype=torch.float32)
+        return (logits.new_zeros(logits.shape[0], dtype=torch.float32),
+                logits.new_ones(logits.shape[0], dtype=torch.float32))
     from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p
 
     greedy = temperature < _GREEDY_EPS
@@ -57,8 +63,9 @@ def processed_entropy(logits: torch.Tensor, temperature: torch.Tensor | None, to
         x = apply_top_k_top_p(x, top_k, top_p)
     logp = torch.log_softmax(x, dim=-1)
     p = logp.exp()
-    h = -torch.where(p > 0, p * logp, torch.zeros_like(p)).sum(-1)
-    return torch.where(greedy, torch.zeros_like(h), h)
+    h = -torch.where(p > 0, p * logp, torch.zeros_like(p)).sum(-1)                  # [R]
+    p_max = p.amax(-1)                                                               # [R]
+    return torch.where(greedy, torch.zeros_like(h), h), torch.where(greedy, torch.ones_like(p_max), p_max)
 
 
 class _Recorder:
@@ -70,7 +77,8 @@ class _Recorder:
         self.by_request: dict[str, RequestStats] = {}
 
     def before(self):
-        """Entropy of every logits row of this step, before vLLM's sampler scales them in place."""
+        """Entropy and max-probability of every logits row of this step, before vLLM's sampler scales
+        them in place."""
         state = self.runner.execute_model_state
         if state is None:
             return None
@@ -86,15 +94,16 @@ class _Recorder:
         def per_row(x):
             return None if x is None else x[:num_reqs].repeat_interleave(rows)
         temperature = None if md.all_greedy else per_row(md.temperature)
-        ent = processed_entropy(logits, temperature, per_row(md.top_k), per_row(md.top_p))  # [R]
-        hidden = sample_hidden.float().cpu().numpy() if self.capture_hidden else None       # [R, d]
-        return list(batch.req_ids[:num_reqs]), drafts, ent.cpu().tolist(), hidden
+        ent, p_max = processed_stats(logits, temperature, per_row(md.top_k), per_row(md.top_p))  # [R] each
+        hidden = sample_hidden.float().cpu().numpy() if self.capture_hidden else None           # [R, d]
+        ent_max = torch.stack([ent, p_max]).cpu()                                                # [2, R], one copy
+        return list(batch.req_ids[:num_reqs]), drafts, ent_max[0].tolist(), ent_max[1].tolist(), hidden
 
     def after(self, pending, output) -> None:
         """Keep the rows of the tokens each request emitted in this step."""
         if pending is None:
             return
-        req_ids, drafts, ent, hidden = pending
+        req_ids, drafts, ent, p_max, hidden = pending
         sampled = getattr(output, "sampled_token_ids", None)
         if sampled is None or not hasattr(output, "req_id_to_index"):
             raise RuntimeError("mtp-rollout token stats need synchronous scheduling (async_scheduling=False)")
@@ -105,6 +114,7 @@ class _Recorder:
             if m:
                 rec = self.by_request.setdefault(req_id, RequestStats())
                 rec.entropies.extend(ent[start:start + m])
+                rec.max_probs.extend(p_max[start:start + m])
                 if n:
                     rec.rounds.append(ent[start:start + n])
                 if hidden is not None:
