@@ -33,13 +33,13 @@ from rollout.models.flat_weights import pack
 from rollout.models.loaders import DEFAULT_MODEL
 from rollout.ray_guard import local_ray
 from rollout.run_dir import RunLock, check_writable, read_json, read_jsonl
-from rollout.types import RolloutBatch
+from rollout.types import RolloutBatch, SamplingParams
 from trainers.config import USAGE, RunConfig, load_run_config
 from trainers.grpo import GRPOTrainer, Prefetcher
 from trainers.rl_policy import Policy, load_rl_policy
 from trainers.run_state import (CHECKPOINTS, LOGS, MONITOR_STATE, Checkpoint, latest_checkpoint, rewind_run_dir,
                                    save_checkpoint)
-from trainers.tasks import Task, TaskSampler, score
+from trainers.tasks import REASONING_GYM, Task, TaskSource
 
 logger = logging.getLogger(__name__)
 
@@ -55,14 +55,45 @@ def make_heads(policy: Policy, cfg: RunConfig) -> MTPHeads:
     return heads
 
 
-def rollouts(accel: RolloutAccelerator, sampler: TaskSampler, policy: Policy, cfg: RunConfig,
+def rollouts(accel: RolloutAccelerator, source: TaskSource, policy: Policy, cfg: RunConfig,
              step: int) -> tuple[list[Task], RolloutBatch]:
     """G completions for each of the step's prompts; tasks repeated so that groups are contiguous."""
     g = cfg.grpo
-    tasks = [t for t in sampler.sample(g.prompts_per_step, step) for _ in range(g.group_size)]
+    tasks = [t for t in source.sample(g.prompts_per_step, step) for _ in range(g.group_size)]
     batch = accel.generate([policy.codec.encode_prompt(t.prompt) for t in tasks],
-                           cfg.sampling.params(step, cfg.steps, cfg.seed), domains=[t.domain for t in tasks])
+                           cfg.sampling.params(step, cfg.total_steps, cfg.seed), domains=[t.domain for t in tasks])
     return tasks, batch
+
+
+def evaluate(accel: RolloutAccelerator, source: TaskSource, policy: Policy, cfg: RunConfig, step: int) -> dict:
+    """Greedy held-out score of the workers' current policy: one completion per held-out prompt.
+
+    Sent to the worker actors directly, not through accel.generate, so that the monitor and the
+    co-trainer's replay see rollouts only; each worker runs it after the calls queued before it
+    (the step's policy sync included)."""
+    tasks = source.heldout
+    sp = SamplingParams(max_new_tokens=cfg.sampling.max_new_tokens, temperature=0.0, num_draft_tokens=0,
+                        seed=cfg.seed * 100_003 + step)
+    workers = accel.workers
+    chunks = [tasks[i::len(workers)] for i in range(len(workers))]
+    refs = [w.generate.remote([policy.codec.encode_prompt(t.prompt) for t in c], sp)
+            for w, c in zip(workers, chunks) if c]
+    comps = [c for part in ray.get(refs) for c in part.completions]
+    scores = [source.score(t, policy.codec.decode(c.tokens))
+              for t, c in zip((t for c in chunks if c for t in c), comps)]
+    return {"eval_reward": float(np.mean(scores)), "eval_pass1": float(np.mean([s >= 1.0 for s in scores]))}
+
+
+def eval_due(cfg: RunConfig, step: int) -> bool:
+    """Held-out evaluation after step `step`: every tasks.eval_every steps and after the last."""
+    every = cfg.tasks.eval_every
+    return every > 0 and cfg.tasks.heldout_prompts > 0 and ((step + 1) % every == 0 or step + 1 == cfg.total_steps)
+
+
+def groups_with_variance(rewards: list[float], group_size: int) -> float:
+    """Share of the step's GRPO groups whose rewards differ: the others give zero advantage."""
+    groups = np.asarray(rewards, dtype=np.float64).reshape(-1, group_size)
+    return float(np.mean(groups.max(axis=1) > groups.min(axis=1)))
 
 
 def by_domain(tasks: list[Task], values: list[float]) -> dict[str, float]:
@@ -89,9 +120,11 @@ def check_config(cfg: RunConfig) -> None:
             raise ValueError(f"heads={cfg.heads}: {path} holds {meta.num_depths} MTP depths but "
                              f"accelerator.num_depths={cfg.accelerator.num_depths}; set accelerator.num_depths="
                              f"{meta.num_depths}")
-    for step in sorted({0, cfg.steps - 1}):             # the temperature schedule's ends
+    if cfg.tasks.source != REASONING_GYM:                # imports and calls the user's function
+        TaskSource(cfg.tasks)
+    for step in sorted({0, cfg.total_steps - 1}):       # the temperature schedule's ends
         try:
-            cfg.sampling.params(step, cfg.steps, cfg.seed).validate()
+            cfg.sampling.params(step, cfg.total_steps, cfg.seed).validate()
         except ValueError as e:
             raise ValueError(f"config key sampling.{e} (at step {step})") from None
 
@@ -124,10 +157,10 @@ def check_paths(cfg: RunConfig) -> None:
 
 
 def check_lengths(cfg: RunConfig, policy: Policy) -> None:
-    """Prompt + max_new_tokens must fit the model's context (step 0's prompts; tasks are alike)."""
+    """Prompt + max_new_tokens must fit the model's context (every training and held-out prompt)."""
     context = policy.model.config.max_position_embeddings
-    longest = max(len(policy.codec.encode_prompt(t.prompt))
-                  for t in TaskSampler(cfg.tasks).sample(cfg.grpo.prompts_per_step, 0))
+    source = TaskSource(cfg.tasks)
+    longest = max(len(policy.codec.encode_prompt(t.prompt)) for t in source.train + source.heldout)
     if longest + cfg.sampling.max_new_tokens > context:
         raise ValueError(f"config key sampling.max_new_tokens={cfg.sampling.max_new_tokens} is too large: with "
                          f"prompts of up to {longest} tokens it exceeds the model's context of {context} tokens")
@@ -190,8 +223,8 @@ def run(cfg: RunConfig, resolved) -> Path:
             if (run_dir / MONITOR_STATE).exists():
                 read_json(run_dir / MONITOR_STATE, "monitor state")
             print(f"resuming {run_dir} " + (f"after step {ckpt.step}" if ckpt else "from step 0 (no checkpoint yet)"))
-        if ckpt is not None and ckpt.step + 1 >= cfg.steps:
-            print(f"{run_dir}: all {cfg.steps} steps are done; nothing to resume")
+        if ckpt is not None and ckpt.step + 1 >= cfg.total_steps:
+            print(f"{run_dir}: all {cfg.total_steps} steps are done; nothing to resume")
         else:
             heads = make_heads(policy, cfg) if ckpt is None else None
             with local_ray(cfg.accelerator.ray_address):
@@ -206,8 +239,9 @@ def _train(cfg: RunConfig, policy: Policy, heads: MTPHeads | None, run_dir: Path
            resolved) -> None:
     """The driver loop, from step 0 or from the step after `ckpt`. A fresh run's config.yaml is
     written once the actors are up: a run that failed to start leaves no run behind."""
-    trainer = GRPOTrainer(policy.model, cfg.grpo, cfg.steps)
-    sampler = TaskSampler(cfg.tasks)
+    steps = cfg.total_steps
+    trainer = GRPOTrainer(policy.model, cfg.grpo, steps)
+    source = TaskSource(cfg.tasks)
     start, versions, pending_sync, cotrainer_state = 0, {}, None, None
     if ckpt is not None:   # the workers get the weights that made step ckpt.step+1's rollouts, the trainer its own state
         t, h = ckpt.load("trainer.pt"), ckpt.load("heads.pt")
@@ -224,37 +258,41 @@ def _train(cfg: RunConfig, policy: Policy, heads: MTPHeads | None, run_dir: Path
         ray.get(accel.cotrainer.load_state.remote(cotrainer_state))
     if resolved is not None:
         write_resolved(resolved, run_dir)
-    prefetch = Prefetcher(lambda step: rollouts(accel, sampler, policy, cfg, step))
+    prefetch = Prefetcher(lambda step: rollouts(accel, source, policy, cfg, step))
     t_start = time.perf_counter()
     try:
         with open(run_dir / "rl.jsonl", "a", encoding="utf-8") as log:
             prefetch.submit(start)
-            bar = tqdm(range(start, cfg.steps), disable=not cfg.progress, desc="async GRPO", dynamic_ncols=True,
-                       initial=start, total=cfg.steps)
+            bar = tqdm(range(start, steps), disable=not cfg.progress, desc="async GRPO", dynamic_ncols=True,
+                       initial=start, total=steps)
             for step in bar:                                   # ---- the driver loop ----
                 t0 = time.perf_counter()
                 tasks, batch = prefetch.result()               # made by policy version step-1
                 wait_s = time.perf_counter() - t0
-                rewards = [score(t, policy.codec.decode(c.tokens)) for t, c in zip(tasks, batch.completions)]
+                rewards = [source.score(t, policy.codec.decode(c.tokens)) for t, c in zip(tasks, batch.completions)]
                 rollout_entropy = [float(np.mean(c.entropies)) if c.entropies else float("nan")
                                    for c in batch.completions]
                 rec = accel.end_step(step, {"reward": float(np.mean(rewards)),
                                             "reward_by_domain": by_domain(tasks, rewards)})
-                checkpoint = cfg.checkpoint_every and ((step + 1) % cfg.checkpoint_every == 0 or step + 1 == cfg.steps)
+                checkpoint = cfg.checkpoint_every and ((step + 1) % cfg.checkpoint_every == 0 or step + 1 == steps)
                 cotrainer_ref = accel.cotrainer.state.remote() if checkpoint and accel.cotrainer else None
                 if pending_sync is not None:                   # resumed: the version trained before the stop
                     accel.sync_policy(*pending_sync)
                     pending_sync = None
-                if step + 1 < cfg.steps:
+                if step + 1 < steps:
                     prefetch.submit(step + 1)                  # overlaps with the update below
                 previous = trainer.trained_weights() if checkpoint else None
                 t1 = time.perf_counter()
                 stats = trainer.step(batch, rewards, step)
                 accel.sync_policy(trainer.trained_weights(), version=step + 1)
+                evaluation = evaluate(accel, source, policy, cfg, step) if eval_due(cfg, step) else {}
                 row = {"step": step, "reward": float(np.mean(rewards)),
                        "reward_by_domain": by_domain(tasks, rewards),
                        "rollout_entropy_by_domain": by_domain(tasks, rollout_entropy),
-                       "temperature": cfg.sampling.temperature.at(step, cfg.steps), "train": stats,
+                       "truncated_share": float(np.mean([c.finish_reason == "length" for c in batch.completions])),
+                       "groups_with_reward_variance": groups_with_variance(rewards, cfg.grpo.group_size),
+                       **evaluation,
+                       "temperature": cfg.sampling.temperature.at(step, steps), "train": stats,
                        "rollout_wait_s": wait_s, "train_s": time.perf_counter() - t1,
                        "rollout_s": batch.wall_time_s, "policy_version": step + 1}
                 log.write(json.dumps(row) + "\n")
@@ -263,11 +301,12 @@ def _train(cfg: RunConfig, policy: Policy, heads: MTPHeads | None, run_dir: Path
                     _checkpoint(run_dir, step, trainer, previous, accel, cotrainer_ref)
                 bar.set_postfix(reward=_fmt(row["reward"]), H=_fmt(rec.get("entropy_drafted")),
                                 acc=_fmt(rec.get("acceptance_rate")), tau=_fmt(rec.get("acceptance_length")),
-                                slope=_fmt((rec.get("slope_step_run") or {}).get("slope")))
+                                slope=_fmt((rec.get("slope_step_run") or {}).get("slope")),
+                                **{k: _fmt(v) for k, v in evaluation.items()})
     finally:
         prefetch.close()
         accel.shutdown()
-    print(f"steps {start}..{cfg.steps - 1} finished in {time.perf_counter() - t_start:.0f}s")
+    print(f"steps {start}..{steps - 1} finished in {time.perf_counter() - t_start:.0f}s")
 
 
 def _checkpoint(run_dir: Path, step: int, trainer: GRPOTrainer, previous: dict, accel: RolloutAccelerator,

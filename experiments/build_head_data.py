@@ -28,6 +28,7 @@ from rollout.config_loader import config_help, load_config, wants_help
 from rollout.models.default_model import cache_dir
 from rollout.models.flat_weights import weights_digest
 from rollout.models.loaders import load_policy
+from trainers.tasks import TaskConfig, TaskSource
 
 HELDOUT_SALT = "heldout-v1"
 
@@ -55,8 +56,7 @@ class OnPolicyData:
     gen_batch_size: int = 32
     max_prompt_tokens: int = 256      # longer first user turns are skipped
     num_chat_prompts: int = 4000      # ShareGPT conversations whose first user turn is a candidate prompt
-    task_fraction: float = 0.2        # share of prompts that are RL task prompts (trainers.tasks)
-    num_task_steps: int = 200         # task prompts drawn from steps 0..n-1 of the task sampler
+    task_fraction: float = 0.2        # share of prompts that are RL task prompts (the `tasks` training set)
 
 
 @dataclass(frozen=True)
@@ -75,6 +75,7 @@ class HeadDataConfig:
     stages: tuple[str, ...] = ("sharegpt", "onpolicy")   # what this run builds (one writer per stage at a time)
     sharegpt: ShareGPTData = field(default_factory=ShareGPTData)
     onpolicy: OnPolicyData = field(default_factory=OnPolicyData)
+    tasks: TaskConfig = field(default_factory=TaskConfig)   # the RL prompt source (as in `mtp-rollout run`)
 
     def __post_init__(self) -> None:
         if self.mode not in ("build", "bench_engines"):
@@ -104,11 +105,10 @@ def store_meta(cfg: HeadDataConfig, policy, loaded) -> dict:
             "heldout_fraction": cfg.heldout_fraction, "heldout_salt": HELDOUT_SALT, "seed": cfg.seed}
 
 
-def task_texts(num_steps: int, seed: int) -> list[str]:
-    """RL task prompts of steps 0..num_steps-1 (the split is by prompt text, like every source)."""
-    from trainers.tasks import TaskConfig, TaskSampler
-    sampler = TaskSampler(TaskConfig(seed=seed))
-    return [t.prompt for s in range(num_steps) for t in sampler.sample(32, s)]
+def task_texts(tasks: TaskConfig) -> list[str]:
+    """The RL training prompts of the task source: what the heads will draft for (the split is by
+    prompt text, like every source)."""
+    return [t.prompt for t in TaskSource(tasks).train]
 
 
 def make_engine(name: str, policy, cfg: HeadDataConfig, dtype: str | None = None):
@@ -144,7 +144,7 @@ def onpolicy_prompts(cfg: HeadDataConfig, encoder, convs) -> tuple[list, list]:
     op = cfg.onpolicy
     chat = sharegpt_prompts(convs["train"][::-1][:op.num_chat_prompts] + convs["heldout"][::-1], encoder,
                             op.max_prompt_tokens)
-    return chat, task_prompts(task_texts(op.num_task_steps, cfg.seed), encoder)
+    return chat, task_prompts(task_texts(cfg.tasks), encoder)
 
 
 def bench_engines(cfg: HeadDataConfig, num_prompts: int = 16) -> None:

@@ -19,6 +19,7 @@ COMMANDS = {
     "sweep": ("experiments.entropy_sweep", "acceptance vs entropy per draft mode and heads, temperature scanned"),
     "ablate": ("experiments.entropy_ablation", "draft mode x head objective over async RL runs whose entropy rises"),
     "refresh-study": ("experiments.refresh_study", "co-trainer refresh schedules over async RL runs: acceptance and cost"),
+    "survey-tasks": ("experiments.survey_tasks", "which reasoning-gym datasets give the policy reward with variance in a group"),
     "trl-grpo": ("experiments.trl_grpo", "TRL's GRPOTrainer rolling out through the accelerator"),
     "clean-ray": ("rollout.ray_guard", "stop Ray processes left behind by a killed mtp-rollout run"),
 }

@@ -71,7 +71,7 @@ def run_cell(cfg, name: str, overrides: list[str], out: Path) -> Path:
             f"progress={str(cfg.progress).lower()}"]
     run_cfg, _ = load_run_config(argv)
     done = len(read_jsonl(run_dir / "rl.jsonl")) if (run_dir / "rl.jsonl").is_file() else 0
-    if done >= run_cfg.steps:
+    if done >= run_cfg.total_steps:
         return run_dir
     if async_rl.holds_run(run_dir):
         argv.append("resume=true")

@@ -37,6 +37,7 @@ from rollout.run_dir import LOCK_NAME, RunLock
 from rollout.torch_engine import TorchEngine
 from rollout.types import check_draft_modes
 from trainers.rl_policy import load_rl_policy
+from trainers.tasks import TaskConfig, TaskSource
 
 DEFAULT_CONFIG = packaged_config("sweep")
 FILES = ("sweep.jsonl", "sweep.csv", "sweep.md", "sweep.png")
@@ -51,7 +52,10 @@ class SweepConfig:
                                                           # named by its file stem); [] = the shipped heads
     draft_modes: list[str] = field(default_factory=lambda: ["greedy", "rejection"])   # greedy and/or rejection
     temperatures: list[float] = field(default_factory=lambda: [0.3, 0.5, 0.7, 1.0, 1.3, 1.6])   # each > 0
-    prompts: int = 16                   # held-out chat prompts (the 8 built-in held-out messages, cycled)
+    prompts: int = 16                   # held-out prompts (cycled when there are fewer)
+    prompts_from: str = "chat"          # `chat`: the 8 built-in held-out chat messages; `tasks`: the held-out
+                                        # prompts of `tasks` (the RL job's prompts)
+    tasks: TaskConfig = field(default_factory=TaskConfig)   # the RL prompt source, for prompts_from=tasks
     max_new_tokens: int = 96            # tokens per completion at most
     num_draft_tokens: int = 3           # draft tokens per round (fixed)
     batch_size: int = 8                 # prompts decoded together
@@ -70,6 +74,10 @@ class SweepConfig:
         parse_heads(self.head_files)
         if self.prompts < 1:
             raise ValueError(f"prompts must be >= 1, got {self.prompts}")
+        if self.prompts_from not in ("chat", "tasks"):
+            raise ValueError(f"prompts_from must be chat or tasks, got {self.prompts_from!r}")
+        if self.prompts_from == "tasks" and self.tasks.heldout_prompts < 1:
+            raise ValueError("prompts_from=tasks needs tasks.heldout_prompts >= 1")
         if self.threads < 0:
             raise ValueError(f"threads must be >= 0 (0 = leave as is), got {self.threads}")
 
@@ -178,6 +186,15 @@ def write_outputs(out: Path, records: list[dict], cfg: SweepConfig) -> None:
     plot_sweep(out / "sweep.png", records)
 
 
+def sweep_prompt_texts(cfg: SweepConfig) -> list[str]:
+    """The sweep's prompts: built-in held-out chat messages, or the task source's held-out prompts
+    (never trained on by the RL job), cycled to cfg.prompts."""
+    if cfg.prompts_from == "chat":
+        return prompt_texts(cfg.prompts, held_out=True)
+    held = [t.prompt for t in TaskSource(cfg.tasks).heldout]
+    return [held[i % len(held)] for i in range(cfg.prompts)]
+
+
 def run(cfg: SweepConfig, resolved: str) -> list[dict]:
     out = Path(cfg.out_dir)
     with RunLock(out):
@@ -186,7 +203,7 @@ def run(cfg: SweepConfig, resolved: str) -> list[dict]:
             torch.set_num_threads(cfg.threads)
         policy = load_rl_policy(cfg.model, "float32")
         head_files = load_head_files(policy.model, cfg)
-        prompts = [policy.codec.encode_prompt(t) for t in prompt_texts(cfg.prompts, held_out=True)]
+        prompts = [policy.codec.encode_prompt(t) for t in sweep_prompt_texts(cfg)]
         settings, temps = cfg.settings(), check_temperatures(cfg.temperatures)
         write_resolved(resolved, out)
         engine, records = TorchEngine(policy.model), []

@@ -5,7 +5,8 @@
 
 The model (SmolLM2-135M-Instruct by default) is exported once to an HF directory with our
 exporter; transformers loads it for TRL's trainer and our decoder for the rollout workers, so
-both start from the same weights. Prompts and verifiable rewards are trainers/tasks.py's.
+both start from the same weights. Prompts and verifiable rewards come from the `tasks` source
+(trainers/tasks.py: reasoning-gym or a `module:function`), as in `mtp-rollout run`.
 rollout.integrations.trl.TRLRollout is TRL's rollout function and the callback that syncs the
 trained layers after each optimizer step and writes the monitor's record of each step.
 The run directory gets config.yaml, the monitor's files and figures, trl_log.jsonl (TRL's
@@ -36,7 +37,7 @@ from rollout.models.loaders import LoadedModel, export_hf_dir, load_policy
 from rollout.monitor import AcceptanceMonitor
 from rollout.types import DRAFT_MODES
 from trainers.config import run_dir_accelerator
-from trainers.tasks import Task, TaskConfig, TaskSampler, score
+from trainers.tasks import REASONING_GYM, TaskConfig, TaskSource
 
 logger = logging.getLogger(__name__)
 
@@ -119,20 +120,21 @@ def freeze_all_but_last(model: torch.nn.Module, n_layers: int) -> list[str]:
     return [n for n, p in model.named_parameters() if p.requires_grad]
 
 
-def task_reward(prompts, completions, answer, domain, **_) -> list[float]:
-    """trainers.tasks' verifiable reward of each chat completion."""
-    return [score(Task(d, p[-1]["content"], a), c[-1]["content"])
-            for p, c, a, d in zip(prompts, completions, answer, domain)]
-
-
-def task_dataset(cfg: TRLRunConfig):
-    """prompts_per_step tasks per step, in step order (TRL's shuffling is off)."""
+def task_data(cfg: TRLRunConfig):
+    """(dataset, reward function) from the task source: prompts_per_step prompts per step in step
+    order (TRL's shuffling is off), and the source's reward of each chat completion. The dataset
+    carries an index into the step-ordered tasks, since the sources' items differ in shape."""
     import datasets
 
-    sampler = TaskSampler(cfg.tasks)
-    tasks = [t for s in range(cfg.trl.max_steps) for t in sampler.sample(cfg.trl.prompts_per_step, s)]
-    return datasets.Dataset.from_dict({"prompt": [[{"role": "user", "content": t.prompt}] for t in tasks],
-                                       "answer": [t.answer for t in tasks], "domain": [t.domain for t in tasks]})
+    source = TaskSource(cfg.tasks)
+    tasks = [t for s in range(cfg.trl.max_steps) for t in source.sample(cfg.trl.prompts_per_step, s)]
+
+    def task_reward(prompts, completions, task_index, **_) -> list[float]:
+        return [source.score(tasks[i], c[-1]["content"]) for c, i in zip(completions, task_index)]
+
+    data = datasets.Dataset.from_dict({"prompt": [[{"role": "user", "content": t.prompt}] for t in tasks],
+                                       "task_index": list(range(len(tasks))), "domain": [t.domain for t in tasks]})
+    return data, task_reward
 
 
 # ------------------------------------------------------------------------------ one run
@@ -161,9 +163,10 @@ def train(cfg: TRLRunConfig, run_dir: Path, hf_dir: Path, policy: CausalLM, head
     accel = RolloutAccelerator.from_config(acc_cfg, policy=policy, heads=heads)
     try:
         rollout = TRLRollout(accel, num_draft_tokens=num_draft_tokens, draft_mode=cfg.draft_mode, seed=cfg.seed)
-        trainer = GRPOTrainer(model=model, reward_funcs=[task_reward], args=args,
+        dataset, reward = task_data(cfg)
+        trainer = GRPOTrainer(model=model, reward_funcs=[reward], args=args,
                               processing_class=transformers.AutoTokenizer.from_pretrained(hf_dir),
-                              train_dataset=task_dataset(cfg), rollout_func=rollout, callbacks=[rollout])
+                              train_dataset=dataset, rollout_func=rollout, callbacks=[rollout])
         trainer.train()
     finally:
         accel.shutdown()                                  # closes the monitor: CSV and figures
@@ -214,6 +217,8 @@ def run(cfg: TRLRunConfig, resolved: str) -> list[dict]:
     run_dir = Path(cfg.out_dir)
     if (run_dir / "monitor.jsonl").exists():
         raise ValueError(f"{run_dir} already holds a run; pass another out_dir=...")
+    if cfg.tasks.source != REASONING_GYM:                # imports and calls the user's function, before any file
+        TaskSource(cfg.tasks)
     write_resolved(resolved, run_dir)
     torch.manual_seed(cfg.seed)
     torch.set_num_threads(cfg.trainer_threads)

@@ -13,6 +13,12 @@ ROOT = Path(__file__).resolve().parents[1]
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
 
+def test_groups_with_variance_counts_groups_whose_rewards_differ():
+    from experiments.async_rl import groups_with_variance
+    assert groups_with_variance([0, 0, 1, 0, 0.5, 0.5], 2) == pytest.approx(1 / 3)
+    assert groups_with_variance([0, 0, 0, 0], 4) == 0.0
+
+
 @pytest.fixture(scope="module")
 def local_ray():
     threads = torch.get_num_threads()
@@ -38,5 +44,9 @@ def test_smoke_job_runs_one_step_off_policy_and_fills_the_run_dir(local_ray, tmp
     rows = [json.loads(x) for x in (run_dir / "rl.jsonl").read_text().splitlines()]
     assert [r["policy_version"] for r in rows] == [1, 2, 3, 4]
     assert all(0 <= r["reward"] <= 1 and r["train"]["num_tokens"] > 0 for r in rows)
+    assert all(0 <= r["truncated_share"] <= 1 and 0 <= r["groups_with_reward_variance"] <= 1 for r in rows)
+    # smoke.yaml: tasks.eval_every=2, so the held-out split is scored after steps 1 and 3 (the last)
+    assert [r["step"] for r in rows if "eval_reward" in r] == [1, 3]
+    assert all(0 <= r["eval_pass1"] <= r["eval_reward"] + 1e-9 <= 1 + 1e-9 for r in rows if "eval_reward" in r)
     with pytest.raises(ValueError, match="already holds a run"):
         main([str(ROOT / "configs/smoke.yaml"), f"out_dir={run_dir}", "progress=false"])

@@ -182,8 +182,8 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_config_overrides_interpolation_and_resolved_roundtrip(tmp_path):
     run_dir = tmp_path / "run"
     cfg, resolved = load_run_config([str(ROOT / "configs/smoke.yaml"), f"out_dir={run_dir}", "grpo.lr=0.5",
-                                 "sampling.temperature.end=2.0", "tasks.domains=[reverse]"])
-    assert isinstance(cfg, RunConfig) and cfg.grpo.lr == 0.5 and cfg.tasks.domains == ("reverse",)
+                                 "sampling.temperature.end=2.0", "tasks.datasets=[spell_backward]"])
+    assert isinstance(cfg, RunConfig) and cfg.grpo.lr == 0.5 and cfg.tasks.datasets == ("spell_backward",)
     assert cfg.sampling.temperature.end == 2.0 and cfg.sampling.temperature.start == 0.8   # YAML kept
     assert cfg.accelerator.model == "tiny-random"                                          # from the YAML
     assert cfg.accelerator.monitor.out_dir == str(run_dir)                                 # follows out_dir
@@ -219,7 +219,7 @@ def test_bad_key_in_yaml_names_file_and_key(tmp_path):
 
 def test_bad_values_are_rejected_by_the_dataclasses():
     with pytest.raises(ValueError, match="algebra"):
-        load_run_config(["tasks.domains=[algebra]"])
+        load_run_config(["tasks.datasets=[algebra]"])
     with pytest.raises(ValueError, match="group_size"):
         load_run_config(["grpo.group_size=1"])
     with pytest.raises(ValueError, match="draft_mode"):
@@ -240,7 +240,7 @@ def test_update_readme_rewrites_only_a_stale_table(tmp_path):
 
     readme = tmp_path / "README.md"
     current = (ROOT / "configs/README.md").read_text()
-    stale = current.replace("| `steps` | `20` | RL steps |\n", "")
+    stale = current.replace("| `tasks.epochs` | `2` | passes over it (sets the RL steps when `steps` is null) |\n", "")
     assert stale != current
     readme.write_text(stale)
     assert update_readme_table(readme) and readme.read_text() == current
@@ -254,16 +254,17 @@ def test_run_help_lists_every_key_with_default_and_meaning(capsys):
 
     assert main(["--help"]) == 0
     out = capsys.readouterr().out
+    lines = out.splitlines()
     for k in config_keys(RunConfig, [str(DEFAULT_CONFIG)]):        # the preset's values: what a run uses
-        line = next(l for l in out.splitlines() if l.strip().startswith(f"{k.key} = "))
-        assert k.default in line and k.help in line
+        i = next(i for i, l in enumerate(lines) if l.strip().startswith(f"{k.key} = "))
+        assert k.default in lines[i] and k.help in " ".join(lines[i:i + 2])   # a long default wraps its meaning
 
 
 @pytest.mark.parametrize("name", ["async_rl.yaml", "smoke.yaml"])
 def test_shipped_configs_load(name):
     cfg, resolved = load_run_config([str(ROOT / "configs" / name)])
     assert "${" not in resolved and OmegaConf.create(resolved).steps == cfg.steps
-    assert cfg.grpo.group_size >= 2 and len(cfg.tasks.domains) >= 2
+    assert cfg.grpo.group_size >= 2 and len(cfg.tasks.datasets) >= 2
 
 
 def test_main_job_defaults_to_async_rl_yaml():

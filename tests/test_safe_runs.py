@@ -53,6 +53,12 @@ BAD_RUN_OVERRIDES = [
     ("heads=pretrained", "heads=shipped"),
     ("heads=/nonexistent/heads.safetensors", "heads"),
     ("accelerator.heads=shipped", "accelerator.heads"),            # it follows heads; set alone it conflicts
+    ("tasks.datasets=[chain_summ]", "chain_sum"),                  # the closest registered names
+    ("tasks.params.chain_sum.max_terms=0", "tasks.params.chain_sum"),   # reasoning-gym's own check, named
+    ("tasks.weights=[1,2,3]", "tasks.weights"),                    # smoke.yaml lists 2 datasets
+    ("tasks.num_prompts=0", "tasks.num_prompts"),
+    ("tasks.source=tests.custom_tasks:missing", "tasks.source"),  # imported and called before any file
+    ("tasks.source=tests.custom_tasks", "tasks.source"),
 ]
 
 

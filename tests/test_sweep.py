@@ -276,3 +276,16 @@ def test_the_yaml_holds_the_defaults_and_help_documents_every_key(capsys):
     assert cli.main(["sweep", "--help"]) == 0
     out = capsys.readouterr().out
     assert all(f"{k.key} = {k.default}" in out for k in config_keys(SweepConfig))
+
+
+def test_prompts_from_tasks_are_the_task_sources_heldout_prompts():
+    from experiments.entropy_sweep import SweepConfig, sweep_prompt_texts
+    from trainers.tasks import TaskConfig, TaskSource
+
+    tasks = TaskConfig(num_prompts=8, heldout_prompts=3)
+    held = [t.prompt for t in TaskSource(tasks).heldout]
+    texts = sweep_prompt_texts(SweepConfig(prompts=5, prompts_from="tasks", tasks=tasks))
+    assert texts == held + held[:2]
+    assert sweep_prompt_texts(SweepConfig(prompts=2))[0] not in held            # chat: the default
+    with pytest.raises(ValueError, match="prompts_from"):
+        SweepConfig(prompts_from="sharegpt")

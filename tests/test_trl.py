@@ -198,6 +198,7 @@ def test_grpo_trainer_rolls_out_through_the_accelerator(tiny, local_ray, tmp_pat
         # the versions reward functions see: TRL's global step at generation time
         assert [set(call["policy_version"]) for call in reward_calls] == [{0}, {1}]
         assert all(len(call["entropies"]) == 4 and "acceptance_rate" in call for call in reward_calls)
+        assert all(len(call["max_probs"]) == 4 and 0 < min(call["mean_max_prob"]) <= 1 for call in reward_calls)
         # partial sync after each optimizer step, HF names, version = global step
         assert [k["version"] for _, k, _ in synced] == [1, 2]
         names = set(synced[0][0][0])
@@ -209,6 +210,7 @@ def test_grpo_trainer_rolls_out_through_the_accelerator(tiny, local_ray, tmp_pat
         assert [(r["step"], r["policy_version_max"]) for r in steps] == [(0, 0), (1, 1)]
         assert all("reward" in r["extra"] and r["num_draft_tokens"] > 0 for r in steps)
         assert any(k.startswith("rollout/acceptance_rate") for row in trainer.state.log_history for k in row)
+        assert any(k.startswith("rollout/max_prob_over_0_9") for row in trainer.state.log_history for k in row)
     finally:
         accel.shutdown()
 
@@ -234,3 +236,22 @@ def test_greedy_completions_inside_trl_do_not_depend_on_speculation(tiny, local_
         assert drafts[0] == 0 and drafts[3] > 0                # speculation did run in the second
     finally:
         accel.shutdown()
+
+
+def test_trl_dataset_and_reward_come_from_the_task_source(tmp_path):
+    from experiments.trl_grpo import TRLRunConfig, TRLTrainConfig, task_data
+    from trainers.tasks import TaskConfig, TaskSource
+
+    tasks = TaskConfig(source="tests.custom_tasks:make_tasks", num_prompts=6, heldout_prompts=2, format_reward=0.25)
+    cfg = TRLRunConfig(accelerator=AcceleratorConfig(heads="shipped"), trl=TRLTrainConfig(max_steps=3, prompts_per_step=2),
+                       tasks=tasks)
+    data, reward = task_data(cfg)
+    source = TaskSource(tasks)
+    expected = [t for s in range(3) for t in source.sample(2, s)]
+    assert [p[-1]["content"] for p in data["prompt"]] == [t.prompt for t in expected]
+    assert data["domain"] == [t.domain for t in expected]
+    right = [[{"role": "assistant", "content": f"Answer: {t.answer}"}] for t in expected]
+    wrong = [[{"role": "assistant", "content": "Answer: nope"}] for _ in expected]
+    kw = {"task_index": data["task_index"], "domain": data["domain"]}
+    assert reward(data["prompt"], right, **kw) == [1.25] * 6
+    assert reward(data["prompt"], wrong, **kw) == [0.25] * 6

@@ -21,7 +21,7 @@ from rollout.fileio import atomic_write
 from rollout.monitor import MonitorConfig
 from rollout.types import DRAFT_MODES, SamplingParams
 from trainers.grpo import GRPOConfig, ScheduleConfig
-from trainers.tasks import TaskConfig
+from trainers.tasks import TaskConfig, num_rl_steps
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,7 +63,7 @@ class RunConfig:
     grpo: GRPOConfig = dataclasses.field(default_factory=GRPOConfig)
     tasks: TaskConfig = dataclasses.field(default_factory=TaskConfig)
     sampling: SamplingConfig = dataclasses.field(default_factory=SamplingConfig)
-    steps: int = 20                    # RL steps
+    steps: int | None = None           # RL steps; null = ceil(tasks.num_prompts x tasks.epochs / grpo.prompts_per_step)
     out_dir: str = "runs/async_rl/${now:%Y%m%d-%H%M%S}"   # the run directory (must not hold another run)
     heads: str = "shipped"             # draft heads: `shipped` (the package's, or `mtp-rollout train-heads`' cached
                                        # ones), `init` (copy of the last policy layer, untrained) or a checkpoint path
@@ -74,9 +74,14 @@ class RunConfig:
     checkpoint_every: int = 5          # steps between run checkpoints in <out_dir>/checkpoints/ (policy, optimizer,
                                        # heads, co-trainer, logs); 0 = none
 
+    @property
+    def total_steps(self) -> int:
+        """The RL steps this run makes: `steps`, or one pass of the prompt set per epoch."""
+        return num_rl_steps(self.tasks, self.grpo.prompts_per_step, self.steps)
+
     def __post_init__(self) -> None:
-        if self.steps < 1:
-            raise ValueError(f"steps must be >= 1, got {self.steps}")
+        if self.steps is not None and self.steps < 1:
+            raise ValueError(f"steps must be >= 1 or null (from tasks.num_prompts x tasks.epochs), got {self.steps}")
         check_heads_spec("heads", self.heads)
         if self.accelerator.heads != self.heads:
             raise ValueError(f"accelerator.heads={self.accelerator.heads!r} differs from heads={self.heads!r}; "
