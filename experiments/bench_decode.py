@@ -1,14 +1,17 @@
-"""Where decoding time goes, and plain vs speculative throughput, side by side in one run.
+"""Plain vs speculative decoding on the RL workload, side by side in one run, and where a round's time goes.
 
     python -m experiments.bench_decode [configs/bench_decode.yaml] [key=value ...]
     (= mtp-rollout bench-decode ...; `--help` lists every key with the values a run uses)
 
-For every engine setting (dtype x eager/compiled) and batch size: compile first (timed apart),
-measure the verification-cost curve V(n) = cost(n-token forward) / cost(1-token forward), then
-`repeats` interleaved generations: plain (k = 0), speculative with each fixed k of `num_draft_tokens`
-and adaptive k up to the largest, all on the same prompts within a repeat (repeats rotate through the prompt list).
-Prints medians of tok/s, the median of per-repeat ratios to plain, acceptance, tau, the per-round
-time of draft / verify / accept / commit and adaptive k's rounds per k; writes JSON.
+The workload is the RL job's: reasoning-gym prompts (the `tasks` block, as in `mtp-rollout run`),
+batches of GRPO groups (batch 8 = one prompt 8 times, 16 = two prompts), `history_epochs` untimed
+passes over the measured prompts first, so that rollout history holds earlier epochs as it does in
+RL. Each setting has its own engine (its own history, predictor and cost model) over the same
+weights: `plain` (k = 0), `fixed` (every row drafts k head tokens), `heads`, `history` and `both`
+(each row chooses per round by predicted acceptance from those sources: `both` is the engine's
+default). Within a repeat every setting decodes the same batch, in turn; medians over repeats of
+tok/s and of the per-repeat ratio to plain are printed with acceptance, tokens per round, the
+share of tokens from each source and the per-round time of draft / verify / accept / commit.
 
 Function API (used by the vLLM side-by-side bench): `make_engine(...)` and
 `run_ours(engine, prompts, sampling) -> dict` (one timed generate with its breakdown).
@@ -25,7 +28,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from experiments.common import batch_of, machine
+from experiments.common import machine
 from rollout.config_loader import config_help, load_config, packaged_config, wants_help
 from rollout.engine.config import EngineConfig
 from rollout.engine.round import PHASES
@@ -33,18 +36,17 @@ from rollout.models.decoder import CausalLM
 from rollout.models.dtypes import dtype_name
 from rollout.torch_engine import TorchEngine
 from rollout.types import SamplingParams
+from trainers.tasks import TaskConfig
 
 DEFAULT_CONFIG = packaged_config("bench_decode")
-BENCH_PROMPTS = [
-    "Write a haiku about the sea.",
-    "Give me three tips for learning to cook.",
-    "What is the capital of France? Answer in one sentence.",
-    "Explain in two sentences why the sky is blue.",
-    "List four animals that live in the ocean.",
-    "What is 12 times 7? Explain briefly.",
-    "Describe a sunrise in one sentence.",
-    "Name three programming languages and one use of each.",
-]
+# setting -> EngineConfig fields of its engine (plain decodes with k = 0)
+SETTINGS: dict[str, dict] = {
+    "plain": {},
+    "fixed": dict(draft_lengths="fixed"),
+    "heads": dict(draft_sources=("heads",)),
+    "history": dict(draft_sources=("history",)),
+    "both": dict(draft_sources=("heads", "history")),
+}
 
 
 @dataclass(frozen=True)
@@ -52,32 +54,39 @@ class BenchDecodeConfig:
     model: str = "smollm2-135m"            # named model, .gguf file or HF directory
     heads: str = "shipped"                 # shipped | init | a heads checkpoint path
     num_depths: int = 1                    # depths of heads=init; a checkpoint's must match
-    num_draft_tokens: list[int] = field(default_factory=lambda: [3])   # fixed-k settings (each >= 1); the
-                                           # largest is adaptive k's maximum
-    adaptive: bool = True                  # also run adaptive k (EngineConfig.adaptive_k) up to the largest k
-    draft_mode: str = "rejection"          # greedy | rejection
-    batch_sizes: list[int] = field(default_factory=lambda: [1, 8])
+    num_draft_tokens: int = 4              # k: the most drafts a row verifies per round
+    settings: list[str] = field(default_factory=lambda: list(SETTINGS))   # which of SETTINGS to run
+    draft_mode: str = "rejection"          # greedy | rejection (heads)
+    batch_sizes: list[int] = field(default_factory=lambda: [1, 8])   # 1, or multiples of group_size
+    group_size: int = 8                    # rows per prompt in a batch (GRPO groups)
     temperature: float = 1.0
-    max_new_tokens: int = 64
-    repeats: int = 3                       # interleaved repeats; medians are reported
-    dtypes: list[str] = field(default_factory=lambda: ["auto"])   # float32 | bfloat16 | auto (hardware's best)
-    compile: list[bool] = field(default_factory=lambda: [True])   # engine settings to run: eager and/or compiled
+    max_new_tokens: int = 128
+    repeats: int = 3                       # interleaved repeats, each on its own prompts; medians are reported
+    history_epochs: int = 1                # untimed passes over the measured prompts first (earlier epochs)
+    tasks: TaskConfig = field(default_factory=lambda: TaskConfig(num_prompts=64, heldout_prompts=0))
+    dtype: str = "auto"                    # float32 | bfloat16 | auto (hardware's best)
+    compile: bool = False                  # torch.compile the forwards (CPUs: eager is faster)
     threads: int = 1                       # torch threads
-    verify_ns: list[int] = field(default_factory=lambda: [1, 2, 4, 8])   # n of the V(n) curve
-    cost_repeats: int = 15                 # timed forwards per V(n) point (median; widths interleaved)
     json: str = ""                         # write all rows here
     log: str = ""                          # append a markdown table to this file (experiments/LOG.md)
 
     def __post_init__(self) -> None:
         from mtp_heads.shipped import check_heads_spec
         check_heads_spec("heads", self.heads)
-        if not self.num_draft_tokens or min(self.num_draft_tokens) < 1:
-            raise ValueError(f"num_draft_tokens must list draft counts >= 1 (plain decoding always runs), "
-                             f"got {list(self.num_draft_tokens)}")
-
-    @property
-    def max_k(self) -> int:
-        return max(self.num_draft_tokens)
+        if not 1 <= self.num_draft_tokens:
+            raise ValueError(f"num_draft_tokens must be >= 1, got {self.num_draft_tokens}")
+        unknown = [s for s in self.settings if s not in SETTINGS]
+        if unknown or "plain" not in self.settings:
+            raise ValueError(f"settings must include plain and name only {list(SETTINGS)}, got {list(self.settings)}")
+        bad = [b for b in self.batch_sizes if b < 1 or (b > 1 and b % self.group_size)]
+        if bad:
+            raise ValueError(f"batch_sizes must be 1 or multiples of group_size={self.group_size}, got {bad}")
+        for key, value in (("repeats", self.repeats), ("max_new_tokens", self.max_new_tokens),
+                           ("group_size", self.group_size)):
+            if value < 1:
+                raise ValueError(f"{key} must be >= 1, got {value}")
+        if self.history_epochs < 0:
+            raise ValueError(f"history_epochs must be >= 0, got {self.history_epochs}")
 
 
 def load_bench_config(argv: list[str]) -> tuple[BenchDecodeConfig, str]:
@@ -87,27 +96,31 @@ def load_bench_config(argv: list[str]) -> tuple[BenchDecodeConfig, str]:
     return load_config(BenchDecodeConfig, argv)
 
 
-
 # ------------------------------------------------------------------------------ function API
-def make_engine(policy: CausalLM, heads, *, compile: bool) -> TorchEngine:
-    return TorchEngine(policy, heads, config=EngineConfig(compile=compile, profile=True))
+def make_engine(policy: CausalLM, heads, *, compile: bool, **engine_fields) -> TorchEngine:
+    return TorchEngine(policy, heads, config=EngineConfig(compile=compile, profile=True, **engine_fields))
 
 
-def run_ours(engine: TorchEngine, prompts: list[list[int]], sampling: SamplingParams,
-             adaptive: bool = False) -> dict:
-    """One timed generate: tok/s (compile time excluded), acceptance, per-round phase times (ms)."""
-    engine.config = replace(engine.config, adaptive_k=adaptive, profile=True)  # no effect on compiled graphs
+def run_ours(engine: TorchEngine, prompts: list[list[int]], sampling: SamplingParams) -> dict:
+    """One timed generate: tok/s (compile time excluded), acceptance, tokens per round, the share of
+    tokens from each draft source, per-round phase times (ms)."""
     batch = engine.generate(prompts, sampling)
     stats = batch.spec_stats()
     decode_s = batch.wall_time_s - batch.compile_time_s
     rounds = max(engine.times.rounds, 1)
-    ks = [c.k for c in batch.k_choices]
+    accepted = {"heads": 0, "history": 0}
+    drafted_rows = 0
+    for c in batch.completions:
+        for n, src in zip(c.round_accepted, c.round_sources or ["heads"] * len(c.round_accepted)):
+            accepted[src] += n
+        drafted_rows += len(c.round_accepted)
     return dict(tok_s=batch.num_tokens / decode_s, tokens=batch.num_tokens, decode_s=decode_s,
                 compile_s=batch.compile_time_s, rounds=engine.times.rounds,
                 acceptance=stats.acceptance_rate, tau=stats.acceptance_length,
-                phase_ms={p: 1e3 * engine.times.seconds.get(p, 0.0) / rounds for p in PHASES},
-                mean_k=statistics.mean(ks) if ks else float(sampling.num_draft_tokens),
-                k_hist={k: ks.count(k) for k in sorted(set(ks))})
+                tokens_per_round=batch.num_tokens / rounds / max(len(prompts), 1),
+                share={src: n / max(batch.num_tokens, 1) for src, n in accepted.items()},
+                mean_drafts=stats.num_draft_tokens / drafted_rows if drafted_rows else 0.0,
+                phase_ms={p: 1e3 * engine.times.seconds.get(p, 0.0) / rounds for p in PHASES})
 
 
 @torch.inference_mode()
@@ -133,54 +146,58 @@ def verify_cost_curve(engine: TorchEngine, prompts: list[list[int]], ns: list[in
 
 
 # ------------------------------------------------------------------------------ the study
-def settings(cfg: BenchDecodeConfig) -> list[tuple[str, int, bool]]:
-    """(name, k, adaptive) of every generation setting: plain, the largest k, adaptive k, the other ks."""
-    k = cfg.max_k
-    out = [("plain", 0, False), (f"k={k}", k, False)]
-    if cfg.adaptive:
-        out.append((f"adaptive<={k}", k, True))
-    out += [(f"k={j}", j, False) for j in dict.fromkeys(cfg.num_draft_tokens) if j != k]
+def workload(cfg: BenchDecodeConfig, encode) -> dict[int, list[list[list[int]]]]:
+    """batch size -> the batches of the repeats: groups of `group_size` rows per prompt (1 row at batch 1),
+    each repeat on prompts of its own."""
+    from trainers.tasks import TaskSource
+    texts = [t.prompt for t in TaskSource(cfg.tasks).train]
+    out = {}
+    for B in cfg.batch_sizes:
+        per = max(1, B // cfg.group_size)
+        rows = 1 if B == 1 else cfg.group_size
+        if per * cfg.repeats > len(texts):
+            raise ValueError(f"tasks.num_prompts={len(texts)} is too few for {cfg.repeats} repeats of batch {B}")
+        out[B] = [[encode(texts[r * per + i]) for i in range(per) for _ in range(rows)] for r in range(cfg.repeats)]
     return out
 
 
-def bench_engine(engine: TorchEngine, prompts_ids, cfg: BenchDecodeConfig, label: str) -> list[dict]:
+def bench(policy, heads, cfg: BenchDecodeConfig, batches: dict[int, list], label: str) -> list[dict]:
+    engines = {name: make_engine(policy, heads if name != "plain" else None, compile=cfg.compile,
+                                 **SETTINGS[name]) for name in cfg.settings}
     rows = []
-    for batch_size in cfg.batch_sizes:
-        prompts = batch_of(prompts_ids, batch_size, 0)
-        common = dict(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, ignore_eos=True)
-        sps = {name: (SamplingParams(**common, num_draft_tokens=k, draft_mode=cfg.draft_mode), ad)
-               for name, k, ad in settings(cfg)}
+    for B, repeats in batches.items():
+        sps = {name: SamplingParams(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
+                                    num_draft_tokens=0 if name == "plain" else cfg.num_draft_tokens,
+                                    draft_mode=cfg.draft_mode, ignore_eos=True)
+               for name in cfg.settings}
         t0 = time.perf_counter()
-        compile_s = 0.0
-        for name, (sp, ad) in sps.items():   # warm-up: compiles every shape these settings use
-            compile_s += run_ours(engine, prompts, replace(sp, seed=0), ad)["compile_s"]
-        vcurve = verify_cost_curve(engine, prompts, cfg.verify_ns, cfg.cost_repeats)
+        for epoch in range(cfg.history_epochs):     # earlier epochs over the same prompts: history, warm shapes
+            for r, prompts in enumerate(repeats):
+                for name, engine in engines.items():
+                    engine.generate(prompts, replace(sps[name], seed=10_000 * (epoch + 1) + r))
         warm_s = time.perf_counter() - t0
-        runs = {name: [] for name in sps}
-        for rep in range(cfg.repeats):
-            batch = batch_of(prompts_ids, batch_size, rep + 1)
-            for name, (sp, ad) in sps.items():
-                runs[name].append(run_ours(engine, batch, replace(sp, seed=rep + 1), ad))
+        runs = {name: [] for name in engines}
+        for r, prompts in enumerate(repeats):
+            for name, engine in engines.items():
+                runs[name].append(run_ours(engine, prompts, replace(sps[name], seed=r)))
         for name, rs in runs.items():
-            row = dict(engine=label, batch=batch_size, setting=name, temperature=cfg.temperature,
-                       tok_s=statistics.median(r["tok_s"] for r in rs),
-                       ratio_to_plain=statistics.median(r["tok_s"] / p["tok_s"] for r, p in zip(rs, runs["plain"])),
-                       acceptance=statistics.median(r["acceptance"] for r in rs) if name != "plain" else None,
-                       tau=statistics.median(r["tau"] for r in rs) if name != "plain" else None,
-                       mean_k=statistics.median(r["mean_k"] for r in rs),
-                       phase_ms={p: statistics.median(r["phase_ms"][p] for r in rs) for p in PHASES},
-                       compile_s=compile_s, warmup_s=warm_s, V=vcurve["V"], forward_ms=vcurve["ms"],
-                       all_tok_s=[r["tok_s"] for r in rs],
-                       k_rounds={k: sum(r["k_hist"].get(k, 0) for r in rs)
-                                 for k in sorted({k for r in rs for k in r["k_hist"]})})
+            med = lambda key: statistics.median(x[key] for x in rs)   # noqa: E731
+            row = dict(engine=label, batch=B, setting=name, temperature=cfg.temperature, tok_s=med("tok_s"),
+                       ratio_to_plain=statistics.median(x["tok_s"] / p["tok_s"] for x, p in zip(rs, runs["plain"])),
+                       all_ratios=[x["tok_s"] / p["tok_s"] for x, p in zip(rs, runs["plain"])],
+                       acceptance=med("acceptance") if name != "plain" else None,
+                       tokens_per_round=med("tokens_per_round"), mean_drafts=med("mean_drafts"),
+                       share={src: statistics.median(x["share"][src] for x in rs) for src in ("heads", "history")},
+                       phase_ms={p: statistics.median(x["phase_ms"][p] for x in rs) for p in PHASES},
+                       warmup_s=warm_s, all_tok_s=[x["tok_s"] for x in rs])
             rows.append(row)
             ph = " ".join(f"{p} {v:.1f}" for p, v in row["phase_ms"].items())
-            print(f"{label:<18} B={batch_size:<2} {name:<13} {row['tok_s']:7.2f} tok/s  x{row['ratio_to_plain']:.2f}"
+            print(f"{label:<10} T={cfg.temperature} B={B:<2} {name:<8} {row['tok_s']:7.1f} tok/s  x{row['ratio_to_plain']:.3f}"
+                  f"  [{min(row['all_ratios']):.2f}-{max(row['all_ratios']):.2f}]"
                   f"  acc {row['acceptance'] if row['acceptance'] is not None else float('nan'):.3f}"
-                  f"  mean k {row['mean_k']:.2f}  ms/round: {ph}"
-                  + (f"  rounds per k {row['k_rounds']}" if name.startswith("adaptive") else ""), flush=True)
-        print(f"{label:<18} B={batch_size:<2} V(n): " + "  ".join(f"V({n})={v:.2f}" for n, v in vcurve["V"].items())
-              + f"   1-token forward {vcurve['ms'][cfg.verify_ns[0]]:.1f} ms   compile {compile_s:.1f} s", flush=True)
+                  f"  tok/round/row {row['tokens_per_round']:.2f}  drafts/row-round {row['mean_drafts']:.2f}"
+                  f"  share heads {row['share']['heads']:.2f} history {row['share']['history']:.2f}  ms/round: {ph}",
+                  flush=True)
     return rows
 
 
@@ -189,13 +206,15 @@ def append_log(path: str, argv: list[str], heads_desc: str, rows: list[dict]) ->
     lines = [f"\n## {dt.date.today().isoformat()} bench_decode (commit {commit})\n",
              f"Command: `python -m experiments.bench_decode {' '.join(argv)}`  ",
              f"Machine: {machine()}  ", f"Heads: {heads_desc}\n",
-             "| engine | batch | setting | tok/s | x plain | acceptance | mean k | draft / verify / accept / commit ms per round |",
-             "|---|---|---|---|---|---|---|---|"]
+             "| engine | T | batch | setting | tok/s | x plain (range) | acceptance | drafts per row-round | "
+             "token share heads / history | draft / verify / accept / commit ms per round |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         acc = f"{r['acceptance']:.3f}" if r["acceptance"] is not None else "-"
         ph = " / ".join(f"{v:.1f}" for v in r["phase_ms"].values())
-        lines.append(f"| {r['engine']} | {r['batch']} | {r['setting']} | {r['tok_s']:.2f} | {r['ratio_to_plain']:.2f} | "
-                     f"{acc} | {r['mean_k']:.2f} | {ph} |")
+        lines.append(f"| {r['engine']} | {r['temperature']} | {r['batch']} | {r['setting']} | {r['tok_s']:.1f} | "
+                     f"{r['ratio_to_plain']:.3f} ({min(r['all_ratios']):.2f}-{max(r['all_ratios']):.2f}) | {acc} | "
+                     f"{r['mean_drafts']:.2f} | {r['share']['heads']:.2f} / {r['share']['history']:.2f} | {ph} |")
     with open(path, "a") as f:
         f.write("\n".join(lines) + "\n")
 
@@ -213,18 +232,13 @@ def main(argv: list[str] | None = None) -> int:
     cfg, resolved = load_bench_config(argv)
     torch.set_num_threads(cfg.threads)
     from mtp_heads.shipped import resolve_heads
-    from rollout.models.loaders import apply_chat_template
-    from rollout.models.loaders import load_policy
-    rows = []
-    for dtype in cfg.dtypes:
-        name = dtype_name(dtype)
-        policy, loaded = load_policy(cfg.model, name)
-        heads, heads_desc = resolve_heads(policy, cfg.heads, model=cfg.model, num_depths=cfg.num_depths)
-        prompts = [apply_chat_template(loaded, [{"role": "user", "content": p}]) for p in BENCH_PROMPTS]
-        print(f"{cfg.model} {name}  heads: {heads_desc}  machine: {machine()}", flush=True)
-        for compiled in cfg.compile:
-            engine = make_engine(policy, heads, compile=compiled)
-            rows += bench_engine(engine, prompts, cfg, f"{name} {'compiled' if compiled else 'eager'}")
+    from rollout.models.loaders import apply_chat_template, load_policy
+    policy, loaded = load_policy(cfg.model, cfg.dtype)
+    heads, heads_desc = resolve_heads(policy, cfg.heads, model=cfg.model, num_depths=cfg.num_depths)
+    batches = workload(cfg, lambda text: apply_chat_template(loaded, [{"role": "user", "content": text}]))
+    label = f"{dtype_name(cfg.dtype)}{' compiled' if cfg.compile else ''}"
+    print(f"{cfg.model} {label}  heads: {heads_desc}  k <= {cfg.num_draft_tokens}  machine: {machine()}", flush=True)
+    rows = bench(policy, heads, cfg, batches, label)
     print(f"machine at the end: {machine()}")
     if cfg.log:
         append_log(cfg.log, argv, heads_desc, rows)

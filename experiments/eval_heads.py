@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from mtp_heads.checkpoint import draft_vocab_of
 from mtp_heads.heads import MTPHeads
 from rollout.models.decoder import CausalLM
+from rollout.engine.config import EngineConfig
 from rollout.torch_engine import TorchEngine
 from rollout.types import SamplingParams
 
@@ -22,7 +23,7 @@ def engine_acceptance(policy: CausalLM, heads: MTPHeads, prompts: list[list[int]
                       temperature: float = 1.0, max_new_tokens: int = 128, batch_size: int = 8,
                       modes: Sequence[str] = ("greedy", "rejection"), seed: int = 0) -> dict[str, dict]:
     """The engine's measured acceptance at k drafts per round, per draft mode."""
-    engine = TorchEngine(policy, heads)
+    engine = TorchEngine(policy, heads, config=EngineConfig(draft_lengths="fixed"))   # the heads at k, every row
     out = {}
     for mode in modes:
         sp = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, num_draft_tokens=k,
@@ -45,7 +46,7 @@ def decode_speedup(policy: CausalLM, heads: MTPHeads, prompts: list[list[int]], 
                    repeats: int = 1, seed: int = 0) -> dict:
     """Batch-1 tokens/s of plain decoding (k = 0) vs speculative (k), prompt by prompt, interleaved
     so that load from other processes hits both alike."""
-    engine = TorchEngine(policy, heads)
+    engine = TorchEngine(policy, heads, config=EngineConfig(draft_lengths="fixed"))   # the heads at k, every row
     times = {0: [0.0, 0], k: [0.0, 0]}
     for r in range(repeats):
         for i, prompt in enumerate(prompts):

@@ -25,6 +25,7 @@ from rollout.models.decoder import CausalLM
 from rollout.models.dtypes import parse_dtype
 from rollout.monitor import AcceptanceMonitor, MonitorConfig
 from rollout.published_weights import PublishedWeights
+from rollout.ray_guard import GuardedRay, init_ray
 from rollout.types import Completion, RolloutBatch, SamplingParams
 from rollout.models.flat_weights import FlatWeights, pack, unpack
 from rollout.worker_pool import WorkerPool
@@ -84,10 +85,10 @@ def mean_entropy(comps: list[Completion]) -> float:
 class RolloutAccelerator:
     """Facade over the Ray actors; see module docstring. Build with from_config()."""
 
-    def __init__(self, cfg: AcceleratorConfig, policy: CausalLM, heads: MTPHeads, *, owns_ray: bool,
+    def __init__(self, cfg: AcceleratorConfig, policy: CausalLM, heads: MTPHeads, *, owns_ray: GuardedRay | None = None,
                  policy_version: int = 0, head_version: int = 0):
         self.cfg = cfg
-        self._owns_ray = owns_ray
+        self._owns_ray = owns_ray          # the Ray this facade started (stopped by shutdown), or None
         # generate() may run in a prefetch thread while the driver syncs weights or ends a step:
         # the lock keeps worker replacement, weight refs and the step's completions consistent.
         self._lock = threading.RLock()
@@ -99,7 +100,6 @@ class RolloutAccelerator:
                                 on_event=self._record_event)
         self._cotrainer = self._new_cotrainer_client() if cfg.cotrainer.enabled else None
         self._step_completions: list[Completion] = []
-        self._step_k_choices: list = []           # adaptive k's per-round choices of this step (workers.adaptive_k)
         self._step_wall_s = 0.0
 
     def _new_cotrainer_client(self) -> CoTrainerClient:
@@ -115,21 +115,28 @@ class RolloutAccelerator:
     def from_config(cls, cfg: AcceleratorConfig, *, policy: CausalLM | None = None,
                     heads: MTPHeads | None = None, policy_version: int = 0,
                     head_version: int = 0) -> "RolloutAccelerator":
-        """Start (or join) Ray, load the policy and heads unless given, start the actors."""
-        owns_ray = not ray.is_initialized()
-        if owns_ray:
-            ray.init(address=cfg.ray_address, include_dashboard=False)
-        if cfg.ray_address is None:
-            check_resources(cfg)
-        if policy is None:
-            from rollout.models.loaders import load_policy
-            policy, _ = load_policy(cfg.model, cfg.dtype)
-        if heads is None:     # a file holding other than cfg.num_depths depths is refused, naming it
-            from mtp_heads.shipped import resolve_heads
-            heads, desc = resolve_heads(policy, cfg.heads, model=cfg.model, num_depths=cfg.num_depths, seed=cfg.seed)
-            logger.info("heads: %s", desc)
-        heads.check_compatible(policy)
-        return cls(cfg, policy, heads, owns_ray=owns_ray, policy_version=policy_version, head_version=head_version)
+        """Start (or join) Ray, load the policy and heads unless given, start the actors. A local Ray
+        started here is guarded (stopped with this process, even after SIGKILL) and listens on
+        loopback only (rollout.ray_guard)."""
+        owns_ray = init_ray(cfg.ray_address)       # None: Ray was already initialised by the caller
+        try:
+            if cfg.ray_address is None:
+                check_resources(cfg)
+            if policy is None:
+                from rollout.models.loaders import load_policy
+                policy, _ = load_policy(cfg.model, cfg.dtype)
+            if heads is None:     # a file holding other than cfg.num_depths depths is refused, naming it
+                from mtp_heads.shipped import resolve_heads
+                heads, desc = resolve_heads(policy, cfg.heads, model=cfg.model, num_depths=cfg.num_depths,
+                                            seed=cfg.seed)
+                logger.info("heads: %s", desc)
+            heads.check_compatible(policy)
+            return cls(cfg, policy, heads, owns_ray=owns_ray, policy_version=policy_version,
+                       head_version=head_version)
+        except BaseException:
+            if owns_ray is not None:
+                owns_ray.shutdown()
+            raise
 
     # -- state other code reads ---------------------------------------------------------------------
 
@@ -172,16 +179,13 @@ class RolloutAccelerator:
         if not prompts:
             raise ValueError("prompts is empty: pass at least one prompt (a list of token ids)")
         t0 = time.perf_counter()
-        parts = self._pool.generate(prompts, sampling)
-        comps = [comp for part in parts for comp in part.completions]
+        comps = self._pool.generate(prompts, sampling).completions
         if domains is not None:
             for comp, dom in zip(comps, domains):
                 comp.domain = dom
-        batch = RolloutBatch(comps, wall_time_s=time.perf_counter() - t0,
-                             k_choices=[c for part in parts for c in part.k_choices])
+        batch = RolloutBatch(comps, wall_time_s=time.perf_counter() - t0)
         with self._lock:
             self._step_completions.extend(comps)
-            self._step_k_choices.extend(batch.k_choices)
             self._step_wall_s += batch.wall_time_s
             if self._cotrainer is not None:   # fire and forget: never waits on the co-trainer
                 self._cotrainer.add_rollouts([(c.prompt, c.tokens) for c in comps])
@@ -194,12 +198,12 @@ class RolloutAccelerator:
         if self._cotrainer is not None:
             self._cotrainer.poll(step)
         with self._lock:
-            comps, wall, k_choices = self._step_completions, self._step_wall_s, self._step_k_choices
-            self._step_completions, self._step_wall_s, self._step_k_choices = [], 0.0, []
+            comps, wall = self._step_completions, self._step_wall_s
+            self._step_completions, self._step_wall_s = [], 0.0
         if not comps:
             logger.warning("end_step(%d): no generate() since the last end_step; nothing recorded", step)
             return {"step": step, "num_completions": 0}
-        rec = self.monitor.record_step(step, RolloutBatch(comps, wall_time_s=wall, k_choices=k_choices),
+        rec = self.monitor.record_step(step, RolloutBatch(comps, wall_time_s=wall),
                                        extra=extra_metrics)
         if self._cotrainer is not None:
             self._cotrainer.observe(StepObservation(step, mean_entropy(comps), RolloutBatch(comps).spec_stats()
@@ -215,8 +219,9 @@ class RolloutAccelerator:
         self._pool.shutdown()
         if self._cotrainer is not None:
             self._cotrainer.shutdown()
-        if self._owns_ray:
-            ray.shutdown()
+        if self._owns_ray is not None:
+            self._owns_ray.shutdown()
+            self._owns_ray = None
 
     def __enter__(self) -> "RolloutAccelerator":
         return self

@@ -1,22 +1,27 @@
-"""The reference engine: batched, lossless MTP-head speculative decoding in plain torch.
+"""The reference engine: batched, lossless speculative decoding in plain torch.
 
 One round per loop iteration, every row of the batch at its own position
-(rollout.engine.round): draft (heads propose k tokens) -> verify (one target forward over
-k+1 tokens) -> accept (rejection_sample) -> commit (advance each row by its n+1 tokens).
-k = 0 is plain autoregressive decoding, the baseline. Caches are static (one per batch
-bucket and length), forwards are optionally compiled (rollout.engine.forwards), and the only
-host synchronisation per round is the loop's stop check, which also carries the acceptance
-counts that adaptive k (rollout.engine.adaptive) needs.
+(rollout.engine.round): draft -> verify (one target forward over each row's pending token and
+drafts) -> accept (rejection_sample) -> commit (advance each row by its n+1 tokens). With
+`num_draft_tokens` = 0 it is plain autoregressive decoding, the baseline. Otherwise, by default,
+each row chooses per round where its drafts come from (MTP heads, tokens copied from rollout
+history, or none) and how many, by predicted acceptance against the round's modelled cost
+(rollout.engine.chooser); `EngineConfig(draft_lengths="fixed")` drafts k head tokens for every
+row instead. The predictor, the cost model and the history live with the engine across
+generate() calls. Caches are static (one per batch bucket and length), forwards are optionally
+compiled (rollout.engine.forwards).
 """
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
 
+import numpy as np
 import torch
 
 from mtp_heads.heads import MTPHeads
-from rollout.engine.adaptive import AdaptiveK, KChoice, optimistic_costs
+from rollout.engine.chooser import DraftChooser, RowView
+from rollout.engine.history import RolloutHistory
 from rollout.engine.config import EngineConfig, bucket
 from rollout.engine.forwards import Forwards
 from rollout.engine import completions as completions_mod
@@ -43,7 +48,8 @@ class TorchEngine:
         self.head_version = head_version
         self.forwards = Forwards(policy, None, self.config.compile)
         self._caches: dict[tuple[int, int], Cache] = {}   # (batch bucket, length) -> static target cache
-        self.adaptive: AdaptiveK | None = None
+        self.chooser: DraftChooser | None = None       # per-row drafting decisions, kept across calls
+        self.history: RolloutHistory | None = None     # earlier rollouts to draft from, kept across calls
         self.times = PhaseTimes(enabled=self.config.profile)  # of the last generate() call
         if heads is not None:
             self.set_heads(heads, head_version)
@@ -57,17 +63,30 @@ class TorchEngine:
             param.requires_grad_(False)
         self.head_version = version
         self.forwards.set_heads(self.heads)
-        self.adaptive = None
+        self.chooser = None
 
     def update_heads(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
         load_heads_update(self.heads, state_dict)
         self.head_version = version
-        if self.adaptive is not None:
-            self.adaptive.heads_changed()
+        if self.chooser is not None:
+            self.chooser.heads_changed()
 
     def update_policy(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
         load_policy_update(self.policy, state_dict)
         self.policy_version = version
+
+    def remember(self, rollouts: list[tuple[list[int], list[int], int]]) -> None:
+        """Earlier rollouts (prompt, tokens, policy version), oldest first, into the rollout history, as if
+        this engine had generated them (a replacement worker picks up where the dead one was)."""
+        if "history" not in self.config.draft_sources:
+            return
+        history = self._history()
+        for version in sorted({v for _, _, v in rollouts}):
+            batch = [(p, t) for p, t, v in rollouts if v == version]
+            handles = history.begin_call([p for p, _ in batch], version)
+            for handle, (_, tokens) in zip(handles, batch):
+                history.append(handle, list(tokens))
+            history.end_call()
 
     # ----------------------------------------------------------------- decoding
     @property
@@ -80,54 +99,74 @@ class TorchEngine:
         """`progress(new_tokens, accepted_drafts, proposed_drafts)` is called after every round."""
         cfg = self.policy.config
         validate_request(prompts, sampling, vocab_size=cfg.vocab_size, context_length=cfg.max_position_embeddings,
-                         has_heads=self.heads is not None)
+                         has_heads=self._can_draft())
         t0 = time.perf_counter()
         compile_before = self.forwards.compile_time_s
         self.times = PhaseTimes(enabled=self.config.profile)
-        ctx, st, results = self._prefill(prompts, sampling)
         k_max = sampling.num_draft_tokens
-        adaptive = self._adaptive(k_max) if self.config.adaptive_k and k_max > 0 else None
+        chooser = self._chooser(k_max) if k_max > 0 and self.config.draft_lengths == "chosen" else None
+        history = self._history() if chooser is not None and chooser.use_history else None
+        ctx, st, results = self._prefill(prompts, sampling, heads_needed=chooser is None or chooser.use_heads)
+        handles = history.begin_call(prompts, self.policy_version) if history is not None else None
         records: list[RoundResult] = []
-        choices: list[KChoice] = []
-        n_active, remaining = len(prompts), sampling.max_new_tokens - 1     # (prefill sampled one token)
-        while n_active > 0:
-            if bucket(n_active, self.config.batch_buckets) < st.batch:
-                st = self._compact(st, results, n_active, ctx)
-            if adaptive is not None:
-                choice = adaptive.choose(st.batch, n_active, remaining)
-                choices.append(choice)
-                k = choice.k
-            else:
-                k = k_max
-            t_round, compile_s = time.perf_counter(), self.forwards.compile_time_s
-            before = st.committed.sum()
-            r = run_round(ctx, st, k)
-            if k > 0:
-                records.append(r)
-            # the round's one host synchronisation: the stop check, with the counts adaptive k needs
-            drafted = r.active & (r.num_drafts > 0)
-            pos = torch.arange(k, device=st.seq.device)[None]
-            left = (sampling.max_new_tokens - (st.committed - st.prompt_len)).masked_fill(st.finished, 0)
-            counts = torch.cat([
-                (~st.finished).sum()[None], (st.committed.sum() - before)[None],
-                ((r.num_accepted[:, None] > pos) & drafted[:, None]).sum(0),     # accepted at j
-                ((r.num_accepted[:, None] >= pos) & drafted[:, None]).sum(0),    # reached j
-                left.max()[None],                                                 # the most tokens still to go
-            ]).tolist()
-            n_active, remaining = counts[0], counts[-1]
-            if adaptive is not None:
-                compiled_now = self.forwards.compile_time_s != compile_s   # a round that compiled is no cost sample
-                adaptive.observe_time(k, float("nan") if compiled_now else time.perf_counter() - t_round)
-                if k > 0:
-                    adaptive.observe(counts[2:2 + k], counts[2 + k:2 + 2 * k])
-            if progress is not None:
-                progress(counts[1], sum(counts[2:2 + k]), k * int(drafted.sum()))
+        n_active = len(prompts)
+        try:
+            while n_active > 0:
+                if bucket(n_active, self.config.batch_buckets) < st.batch:
+                    st = self._compact(st, results, n_active, ctx)
+                view = self._row_view(st, history, handles, k_max if chooser is not None else 0)
+                t_round, compile_s = time.perf_counter(), self.forwards.compile_time_s
+                before = st.committed.clone()
+                r = run_round(ctx, st, view, chooser, k_max)
+                if r.k > 0:
+                    records.append(r)
+                # the round's host synchronisation: the stop check, and what the chooser and history learn from
+                count = (st.committed - before).cpu().numpy()
+                n_active = int((~st.finished).sum())
+                if chooser is not None:
+                    chooser.observe(view, r.plan, r.num_accepted.cpu().numpy())
+                    if self.forwards.compile_time_s == compile_s:      # a round that compiled is no cost sample
+                        chooser.costs.observe(st.batch, r.verified_tokens, r.plan.head_steps,
+                                              time.perf_counter() - t_round)
+                if history is not None:
+                    out = r.emitted.cpu().numpy()
+                    for slot in np.flatnonzero(count > 0):
+                        history.append(handles[int(view.row_ids[slot])], out[slot, :count[slot]].tolist())
+                if progress is not None:
+                    drafted = r.num_drafts.cpu().numpy()
+                    progress(int(count.sum()), int(np.minimum(r.num_accepted.cpu().numpy(), drafted).sum()),
+                             int(drafted.sum()))
+        finally:
+            if history is not None:
+                history.end_call()
         results.save(st)
         batch = completions_mod.build(prompts, results, records, sampling, self.policy_version, self.head_version)
-        batch.k_choices = choices
         batch.wall_time_s = time.perf_counter() - t0
         batch.compile_time_s = self.forwards.compile_time_s - compile_before
         return batch
+
+    def _row_view(self, st: DecodeState, history: RolloutHistory | None, handles: list[int] | None,
+                  k_max: int) -> RowView:
+        """What the chooser sees of each row before the round: unfinished or not, the entropy its last
+        token was sampled at and its history draft."""
+        finished = st.finished.cpu().numpy()
+        row_ids = st.row_ids.cpu().numpy()
+        last = (st.committed - 1)[:, None]
+        entropy = st.token_entropy.gather(1, last).squeeze(1).float().cpu().numpy()
+        view = RowView(active=~finished, entropy=entropy, row_ids=row_ids)
+        if history is not None:
+            tokens, cond, match = [], [], np.zeros(st.batch, dtype=np.int64)
+            for b in range(st.batch):
+                draft = history.propose(handles[row_ids[b]], k_max) if not finished[b] else None
+                if draft is None or not draft.tokens:
+                    tokens.append([]), cond.append(np.zeros(0))
+                    continue
+                probs = np.asarray(draft.probs, dtype=np.float64)
+                tokens.append(list(draft.tokens))
+                cond.append(probs / np.concatenate([[1.0], probs[:-1]]))       # cumulative -> per token
+                match[b] = draft.match_len
+            view.history_tokens, view.history_cond, view.history_match = tokens, cond, match
+        return view
 
     # ----------------------------------------------------------------- setup
     def _target_cache(self, batch: int, max_len: int) -> Cache:
@@ -150,12 +189,13 @@ class TorchEngine:
         which take KVCache's plain buffers."""
         return not self.forwards.compiled
 
-    def _prefill(self, prompts, sp: SamplingParams):
+    def _prefill(self, prompts, sp: SamplingParams, heads_needed: bool = True):
         dev, ecfg = self._device, self.config
         k = sp.num_draft_tokens
         B0 = len(prompts)
         B = bucket(B0, ecfg.batch_buckets)
-        D = self.heads.num_depths if (self.heads is not None and k > 0) else 0
+        heads = self.heads if (k > 0 and heads_needed) else None
+        D = heads.num_depths if heads is not None else 0
         head_width = max(k + 1, D)
         P = max(len(p) for p in prompts)
         need = P + sp.max_new_tokens + round_slack(k, ecfg.verify_widths, head_width, D)
@@ -173,9 +213,9 @@ class TorchEngine:
         gen = torch.Generator(device=dev)
         gen.manual_seed(sp.seed if sp.seed is not None else int(torch.randint(0, 2**62, ()).item()))
         stop = set(sp.stop_token_ids) | (set() if sp.ignore_eos else set(self.policy.config.eos_token_ids))
-        ctx = RoundContext(self.policy, self.heads if k > 0 else None, self.forwards, sp, gen,
+        ctx = RoundContext(self.policy, heads, self.forwards, sp, gen,
                            torch.tensor(sorted(stop) or [-2], dtype=torch.long, device=dev),
-                           ecfg.verify_widths, head_width, self.times)
+                           ecfg.verify_widths, head_width, self.times, k)
         cache = self._target_cache(B, L)
         set_read_len(cache, L)              # a reused cache keeps its last call's window; rounds narrow it
         hidden = torch.zeros(B, L, d, dtype=dtype, device=dev)
@@ -188,9 +228,11 @@ class TorchEngine:
         rows = torch.arange(B, device=dev)
         last_logits = self.policy.compute_logits(hidden[rows, lengths - 1])              # [B, V]
         probs, ent, p_max = process_logits_with_stats(last_logits, sp.temperature, sp.top_k, sp.top_p)
-        commit(ctx, st, sample(probs, gen)[:, None], torch.zeros(B, dtype=torch.long, device=dev),
-               last_logits[:, None], ent[:, None], p_max[:, None])
-        if k > 0:
+        first = sample(probs, gen)                                                       # [B]
+        logp = last_logits.gather(1, first[:, None]) - last_logits.logsumexp(-1, keepdim=True)
+        commit(ctx, st, first[:, None], torch.zeros(B, dtype=torch.long, device=dev), logp,
+               ent[:, None], p_max[:, None])
+        if heads is not None:
             st.heads = self._head_caches(B, L)
             st.head_len = [torch.zeros(B, dtype=torch.long, device=dev) for _ in st.heads]
             st.head_hidden = [torch.zeros_like(hidden) for _ in st.heads]
@@ -217,14 +259,25 @@ class TorchEngine:
         new_b = bucket(n_active, self.config.batch_buckets)
         results.save(st)                                   # finished rows leave with their results
         order = torch.argsort(st.finished.to(torch.int8), stable=True)[:new_b]   # unfinished first
-        return gather_rows(st, order, self._target_cache(new_b, st.max_len), self._head_caches(new_b, st.max_len))
+        heads = self._head_caches(new_b, st.max_len) if st.heads else []
+        return gather_rows(st, order, self._target_cache(new_b, st.max_len), heads)
 
-    # ----------------------------------------------------------------- adaptive k
-    def _adaptive(self, k_max: int) -> AdaptiveK:
-        """The engine's one AdaptiveK: its acceptance estimate and measured round times carry over from
-        call to call (an RL worker's calls are short: ~20 rounds each in the main job)."""
-        if self.adaptive is None or self.adaptive.k_max != k_max:
-            self.adaptive = AdaptiveK(k_max, optimistic_costs(k_max), halflife=self.config.acceptance_halflife,
-                                      probe_every=self.config.probe_every,
-                                      max_probe_every=self.config.max_probe_every)
-        return self.adaptive
+    # ----------------------------------------------------------------- drafting decisions
+    def _can_draft(self) -> bool:
+        return self.heads is not None if self.config.draft_lengths == "fixed" else bool(self._sources())
+
+    def _sources(self) -> tuple[str, ...]:
+        sources = self.config.draft_sources
+        return tuple(x for x in sources if x != "heads" or self.heads is not None)
+
+    def _chooser(self, k_max: int) -> DraftChooser:
+        """The engine's one chooser: its acceptance predictor and round-cost model carry over from call
+        to call (an RL worker's calls are short: tens of rounds each)."""
+        if self.chooser is None or self.chooser.k_max != k_max:
+            self.chooser = DraftChooser(k_max, self._sources(), probe_every=self.config.probe_every)
+        return self.chooser
+
+    def _history(self) -> RolloutHistory:
+        if self.history is None:
+            self.history = RolloutHistory(backend=self.config.history_backend)
+        return self.history

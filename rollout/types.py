@@ -8,6 +8,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 DRAFT_MODES = ("greedy", "rejection")
+# k drafts and the bonus token are verified in one pass; 15 + 1 fills the torch engine's widest
+# verification width (EngineConfig.verify_widths), beyond which rounds only get slower.
+MAX_DRAFT_TOKENS = 15
 
 
 @dataclass(frozen=True)
@@ -46,6 +49,9 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.num_draft_tokens < 0:
             raise ValueError(f"num_draft_tokens (k) must be >= 0, got {self.num_draft_tokens}")
+        if self.num_draft_tokens > MAX_DRAFT_TOKENS:
+            raise ValueError(f"num_draft_tokens (k) must be <= {MAX_DRAFT_TOKENS} (MAX_DRAFT_TOKENS, the widest "
+                             f"verification), got {self.num_draft_tokens}")
         if self.draft_mode not in DRAFT_MODES:
             raise ValueError(f"draft_mode must be one of {DRAFT_MODES}, got {self.draft_mode!r}")
 
@@ -94,7 +100,7 @@ def check_token_ids(prompt, where: str, vocab_size: int | None = None) -> list[i
 
 
 def validate_request(prompts: list[list[int]], sp: SamplingParams, *, vocab_size: int, context_length: int,
-                     has_heads: bool) -> None:
+                     has_heads: bool) -> None:   # has_heads: a drafter is there (heads or history)
     """The checks every engine runs before any work, with errors that name the problem."""
     sp.validate()
     if isinstance(prompts, (str, bytes)) or getattr(prompts, "ndim", None) is not None \
@@ -111,7 +117,8 @@ def validate_request(prompts: list[list[int]], sp: SamplingParams, *, vocab_size
             raise ValueError(f"prompt {i} ({len(ids)} tokens) + max_new_tokens ({sp.max_new_tokens}) "
                              f"exceeds the context length {context_length}")
     if sp.num_draft_tokens > 0 and not has_heads:
-        raise ValueError("num_draft_tokens > 0 needs MTP heads: pass heads= to the engine")
+        raise ValueError("num_draft_tokens > 0 needs a drafter: MTP heads (heads= to the engine), or rollout history "
+                         "(EngineConfig.draft_sources with 'history' and draft_lengths='chosen')")
 
 
 @dataclass
@@ -127,7 +134,9 @@ class Completion:
     # draft_entropies[r][j] is H(p) at draft position j of round r (reached iff j <= accepted).
     round_accepted: list[int] = field(default_factory=list)
     draft_entropies: list[list[float]] = field(default_factory=list)
-    round_draft_tokens: list[int] = field(default_factory=list)  # drafts of round r (adaptive k); [] = all k
+    round_draft_tokens: list[int] = field(default_factory=list)  # drafts verified in round r; [] = all k
+    round_sources: list[str] = field(default_factory=list)      # where round r's drafts came from: heads | history
+    round_predicted: list[list[float]] = field(default_factory=list)   # predicted acceptance of each (torch engine)
     nonfinite_draft_rounds: int = 0     # rounds whose q had NaN/inf: no drafts, one plain token
     num_draft_tokens: int = 0
     finish_reason: str = "length"       # "stop" | "length"
@@ -204,7 +213,6 @@ class RolloutBatch:
     completions: list[Completion]
     wall_time_s: float = 0.0
     compile_time_s: float = 0.0         # part of wall_time_s spent compiling (torch engine)
-    k_choices: list = field(default_factory=list)  # adaptive k: one rollout.engine.adaptive.KChoice per round
 
     @property
     def nonfinite_draft_rounds(self) -> int:

@@ -86,51 +86,65 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> tor
 
 def rejection_sample(
     draft_tokens: torch.Tensor,          # [B, k] int64
-    draft_probs: torch.Tensor | None,    # [B, k, V]; None = drafted greedily (one-hot q)
-    target_probs: torch.Tensor,          # [B, k+1, V] target dist. at the sampling temperature
+    draft_probs: torch.Tensor | None,    # [B, k', V], k' <= k: q of the first k' positions; None = all point masses
+    target_probs: torch.Tensor,          # [B, k+1, V], or [N, V] with `index`: target dist. at the sampling temperature
     generator: torch.Generator | None = None,
     num_drafts: torch.Tensor | None = None,  # [B] int64 <= k: drafts per row to consider (None = k)
+    index: torch.Tensor | None = None,       # [B, k+1] int64: row b's position j is target_probs[index[b, j]]
+    point_mass: torch.Tensor | None = None,  # [B] bool: row b's drafts are point masses (copied, or greedy)
 ) -> tuple[torch.Tensor, torch.Tensor]:  # output_tokens [B, k+1] (-1 after the last), num_accepted [B]
     """A row with num_drafts[b] = m < k ignores drafts m.. : at most m are accepted and, when all m
     pass, its last token is drawn from p at position m (m = 0: one plain token from p[:, 0]).
-    The engine uses it for rows whose draft distribution was not finite."""
+
+    A point-mass draft x (a token copied from history, or a greedy head's argmax) has q = one-hot(x):
+    it is accepted with probability p(x) and, when rejected, the next token is drawn from p with x
+    removed. Rows of both kinds verify in one call. Packed verification passes the target
+    distributions of all rows as one [N, V] tensor and `index` to find row b's positions in it."""
     B, k = draft_tokens.shape
-    if target_probs.shape[:2] != (B, k + 1):
-        raise ValueError(f"target_probs must be [B, k+1, V] = [{B}, {k + 1}, V], got {tuple(target_probs.shape)}")
-    if draft_probs is not None and draft_probs.shape != (B, k, target_probs.shape[-1]):
-        raise ValueError(f"draft_probs must be [B, k, V], got {tuple(draft_probs.shape)}")
     device = target_probs.device
+    if index is None:
+        if target_probs.shape[:2] != (B, k + 1):
+            raise ValueError(f"target_probs must be [B, k+1, V] = [{B}, {k + 1}, V], got {tuple(target_probs.shape)}")
+        index = (torch.arange(B, device=device)[:, None] * (k + 1) + torch.arange(k + 1, device=device)[None])
+        target_probs = target_probs.reshape(B * (k + 1), -1)
+    elif index.shape != (B, k + 1) or target_probs.dim() != 2:
+        raise ValueError(f"with an index [B, k+1] = [{B}, {k + 1}], target_probs must be [N, V]; got index "
+                         f"{tuple(index.shape)}, target_probs {tuple(target_probs.shape)}")
+    k_q = 0 if draft_probs is None else draft_probs.shape[1]
+    if draft_probs is not None and (k_q > k or draft_probs.shape[0] != B or draft_probs.shape[2] != target_probs.shape[-1]):
+        raise ValueError(f"draft_probs must be [B, k' <= k, V], got {tuple(draft_probs.shape)}")
     rows = torch.arange(B, device=device)
-    p_draft = target_probs[:, :k].gather(-1, draft_tokens[..., None]).squeeze(-1)  # [B, k]
-    if draft_probs is None:
-        q_draft = torch.ones_like(p_draft)
-    else:
-        q_draft = draft_probs.gather(-1, draft_tokens[..., None]).squeeze(-1)       # [B, k]
+    p_draft = target_probs[index[:, :k], draft_tokens]                                    # [B, k]
+    q_draft = torch.ones_like(p_draft)
+    if k_q:
+        q_first = draft_probs.gather(-1, draft_tokens[:, :k_q, None]).squeeze(-1)        # [B, k']
+        q_draft[:, :k_q] = q_first if point_mass is None else torch.where(point_mass[:, None], 1.0, q_first)
 
     # accepted iff u < p/q, written without division: u * q < p (q > 0 for a drafted token)
     uniform = torch.rand((B, k), generator=generator, device=device, dtype=p_draft.dtype)
-    accepted = uniform * q_draft < p_draft                                        # [B, k]
+    accepted = uniform * q_draft < p_draft                                                # [B, k]
     if num_drafts is not None:
         accepted &= torch.arange(k, device=device)[None] < num_drafts[:, None]
-    num_accepted = accepted.long().cumprod(dim=1).sum(dim=1)                      # [B]
+    num_accepted = accepted.long().cumprod(dim=1).sum(dim=1)                              # [B]
 
     # each row's last token comes from one distribution: the recovered norm(max(0, p - q)) at its first
     # rejected draft, or the bonus p after its last draft. Only that position is built ([B, V], not the
     # [B, k+1, V] of every position), and not normalised: the exponential race is scale-invariant.
-    p_stop = target_probs[rows, num_accepted]                                     # [B, V]
+    p_stop = target_probs[index[rows, num_accepted]]                                      # [B, V]
     at = num_accepted.clamp_max(max(k - 1, 0))    # q of a row that passed is not used (its p is the bonus)
     if k == 0:
         q_stop = torch.zeros_like(p_stop)
-    elif draft_probs is None:
-        q_stop = torch.zeros_like(p_stop).scatter_(-1, draft_tokens[rows, at][:, None], 1.0)
     else:
-        q_stop = draft_probs[rows, at]                                            # [B, V]
+        q_stop = torch.zeros_like(p_stop).scatter_(-1, draft_tokens[rows, at][:, None], 1.0)
+        if k_q:
+            use_q = at < k_q if point_mass is None else (at < k_q) & ~point_mass
+            q_stop = torch.where(use_q[:, None], draft_probs[rows, at.clamp_max(k_q - 1)], q_stop)   # [B, V]
     residual = (p_stop - q_stop).clamp_min(0)
     passed = num_accepted == (k if num_drafts is None else num_drafts)
     use_p = passed | (residual.sum(-1) <= 0)      # the bonus; or p == q, which never rejects in exact arithmetic
     last_token = sample(torch.where(use_p[:, None], p_stop, residual), generator)  # [B]
 
-    positions = torch.arange(k + 1, device=device)[None]                          # [1, k+1]
+    positions = torch.arange(k + 1, device=device)[None]                                  # [1, k+1]
     drafts_padded = torch.cat([draft_tokens, draft_tokens.new_full((B, 1), PLACEHOLDER)], dim=1)
     output = torch.where(positions < num_accepted[:, None], drafts_padded,
                          torch.full_like(drafts_padded, PLACEHOLDER))

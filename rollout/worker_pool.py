@@ -10,9 +10,9 @@ import dataclasses
 import logging
 import math
 import threading
+from collections import OrderedDict, deque
 from collections.abc import Callable
 
-import numpy as np
 import ray
 from ray.exceptions import RayActorError
 
@@ -21,6 +21,7 @@ from rollout.types import RolloutBatch, SamplingParams
 from rollout.workers import RolloutWorker, WorkerConfig
 
 logger = logging.getLogger(__name__)
+RECENT_PER_WORKER = 512   # rollouts kept per worker slot to seed a replacement's history
 
 
 def actor_threads(num_cpus: float) -> int:
@@ -28,11 +29,33 @@ def actor_threads(num_cpus: float) -> int:
     return max(1, int(math.floor(num_cpus)))
 
 
-def split_evenly(n: int, parts: int) -> list[range]:
-    """Contiguous, balanced, non-empty index ranges covering range(n)."""
-    parts = max(1, min(parts, n))
-    bounds = np.linspace(0, n, parts + 1).round().astype(int)
-    return [range(a, b) for a, b in zip(bounds[:-1], bounds[1:])]
+class PromptRouter:
+    """Prompt -> worker slot, sticky across calls (bounded: the least recently routed prompts are
+    forgotten first), new prompts to the least loaded slot of the call."""
+
+    def __init__(self, num_slots: int, max_prompts: int = 65_536):
+        self.num_slots, self.max_prompts = num_slots, max_prompts
+        self._slot: OrderedDict[tuple[int, ...], int] = OrderedDict()
+
+    def route(self, prompts: list[list[int]]) -> list[list[int]]:
+        """Row indices per slot (in prompt order within each slot; a slot may get none)."""
+        rows: OrderedDict[tuple[int, ...], list[int]] = OrderedDict()
+        for i, p in enumerate(prompts):
+            rows.setdefault(tuple(p), []).append(i)
+        load, out = [0] * self.num_slots, [[] for _ in range(self.num_slots)]
+        known = [(key, idx) for key, idx in rows.items() if key in self._slot]
+        new = [(key, idx) for key, idx in rows.items() if key not in self._slot]
+        for key, idx in known:
+            load[self._slot[key]] += len(idx)
+        for key, idx in new:
+            self._slot[key] = min(range(self.num_slots), key=lambda s: load[s])
+            load[self._slot[key]] += len(idx)
+        for key, idx in rows.items():
+            self._slot.move_to_end(key)
+            out[self._slot[key]].extend(idx)
+        while len(self._slot) > self.max_prompts:
+            self._slot.popitem(last=False)
+        return [sorted(x) for x in out]
 
 
 def chunk_sampling(sp: SamplingParams, chunk: int) -> SamplingParams:
@@ -53,6 +76,9 @@ class WorkerPool:
         self._on_event = on_event              # (kind, detail) -> recorded by the monitor
         self._actor_cls = ray.remote(RolloutWorker)
         self.workers = [self._spawn(i) for i in range(cfg.num_workers)]
+        self.router = PromptRouter(cfg.num_workers)
+        # per slot, the last rollouts of the prompts routed there (prompt, tokens, policy version)
+        self._recent: list[deque] = [deque(maxlen=RECENT_PER_WORKER) for _ in range(cfg.num_workers)]
 
     def _spawn(self, i: int):
         """A fresh worker holding the latest policy and heads (also after a crash)."""
@@ -71,14 +97,15 @@ class WorkerPool:
         for w in self.workers:
             w.update_heads.remote(ref, version)
 
-    def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> list[RolloutBatch]:
-        """One RolloutBatch per chunk, in prompt order; a chunk whose worker died is retried on a
-        live or respawned worker (cfg.max_retries times)."""
-        chunks = split_evenly(len(prompts), len(self.workers))
+    def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> RolloutBatch:
+        """The completions in prompt order; each worker decodes the prompts routed to it, and a chunk whose
+        worker died is retried on a live or respawned worker (cfg.max_retries times)."""
+        routed = self.router.route(prompts)
+        slots = [s for s, idx in enumerate(routed) if idx]
+        chunks = [routed[s] for s in slots]
         results: dict[int, RolloutBatch] = {}
         inflight = {}    # ref -> (chunk, worker slot, the worker's handle, attempt)
-        for c, idx in enumerate(chunks):
-            slot = c % len(self.workers)
+        for c, (idx, slot) in enumerate(zip(chunks, slots)):
             inflight[self._submit(slot, prompts, idx, sampling, c)] = (c, slot, self.workers[slot], 0)
         while inflight:
             done, _ = ray.wait(list(inflight), num_returns=1)
@@ -90,12 +117,20 @@ class WorkerPool:
                     raise RuntimeError(f"prompt chunk {c} failed on {attempt + 1} workers; last error: {e}") from e
                 if self.workers[slot] is handle:      # not yet replaced for another chunk
                     self.replace(slot, e)
-                nxt = (slot + 1) % len(self.workers)
+                nxt = slot if self.workers[slot] is not handle else (slot + 1) % len(self.workers)
                 inflight[self._submit(nxt, prompts, chunks[c], sampling, c)] = (c, nxt, self.workers[nxt],
                                                                                 attempt + 1)
-        return [results[c] for c in range(len(chunks))]
+        completions = [None] * len(prompts)
+        for c, idx in enumerate(chunks):
+            for i, comp in zip(idx, results[c].completions):
+                completions[i] = comp
+            for i in idx:   # what a replacement of this slot re-learns its history from
+                comp = completions[i]
+                self._recent[slots[c]].append((comp.prompt, comp.tokens, comp.policy_version))
+        return RolloutBatch(completions, wall_time_s=max(r.wall_time_s for r in results.values()),
+                            compile_time_s=max(r.compile_time_s for r in results.values()))
 
-    def _submit(self, slot: int, prompts: list[list[int]], idx: range, sampling: SamplingParams, chunk: int):
+    def _submit(self, slot: int, prompts: list[list[int]], idx: list[int], sampling: SamplingParams, chunk: int):
         return self.workers[slot].generate.remote([prompts[i] for i in idx], chunk_sampling(sampling, chunk))
 
     def replace(self, slot: int, error: Exception) -> None:
@@ -103,6 +138,8 @@ class WorkerPool:
         with self._lock:
             ray.kill(self.workers[slot])
             self.workers[slot] = self._spawn(slot)
+            if self._recent[slot]:      # its prompts' recent rollouts: drafts from history resume at once
+                self.workers[slot].remember.remote(list(self._recent[slot]))
             self._on_event("worker_restarted", {"worker": slot, "error": str(error)[:500]})
 
     def shutdown(self) -> None:

@@ -40,7 +40,8 @@ def _torch_engine(policy: "CausalLM", heads: "MTPHeads | None", policy_version: 
     from rollout.torch_engine import TorchEngine
 
     return TorchEngine(policy, heads, policy_version=policy_version, head_version=head_version,
-                       config=EngineConfig(adaptive_k=config.adaptive_k))
+                       config=EngineConfig(draft_lengths=config.draft_lengths,
+                                           draft_sources=tuple(config.draft_sources)))
 
 
 def _vllm_engine(policy: "CausalLM", heads: "MTPHeads | None", policy_version: int, head_version: int,
@@ -63,9 +64,9 @@ class WorkerConfig:
     num_gpus_per_worker: float = 0      # Ray GPUs per worker; > 0 puts the engine on CUDA
     engine: str = "torch"               # `torch` (reference) or `vllm` (a key of ENGINES)
     max_retries: int = 2                # retries of a prompt chunk whose worker died
-    adaptive_k: bool = False            # torch engine: sampling.num_draft_tokens becomes the maximum and each round
-                                        # drafts the k (0 included) with the most tokens per measured cost; the
-                                        # monitor logs the choices (draft_k). Off for studies: slopes want a fixed k
+    draft_lengths: str = "chosen"       # torch engine, k > 0: chosen = each row, each round, drafts 0..k tokens from
+                                        # the source predicted to pay most; fixed = k head tokens for every row (studies)
+    draft_sources: tuple[str, ...] = ("heads", "history")   # what `chosen` drafts from
 
     def __post_init__(self) -> None:
         if self.num_workers < 1:
@@ -77,9 +78,11 @@ class WorkerConfig:
             raise ValueError(f"workers.max_retries must be >= 0, got {self.max_retries}")
         if self.engine not in ENGINES:
             raise ValueError(f"workers.engine {self.engine!r} unknown; choose from {sorted(ENGINES)}")
-        if self.adaptive_k and self.engine != "torch":
-            raise ValueError(f"workers.adaptive_k needs workers.engine=torch (vLLM drafts a fixed "
-                             f"num_speculative_tokens), got engine {self.engine!r}")
+        if self.draft_lengths not in ("chosen", "fixed"):
+            raise ValueError(f"workers.draft_lengths must be chosen or fixed, got {self.draft_lengths!r}")
+        if not self.draft_sources or set(self.draft_sources) - {"heads", "history"}:
+            raise ValueError(f"workers.draft_sources must be a non-empty subset of [heads, history], got "
+                             f"{list(self.draft_sources)}")
 
     @property
     def device(self) -> str:
@@ -122,6 +125,15 @@ class RolloutWorker:
         self.num_generate += 1
         self.num_tokens += batch.num_tokens
         return batch
+
+    def remember(self, rollouts: list[tuple[list[int], list[int], int]]) -> int:
+        """Earlier rollouts (prompt, tokens, policy version) into the engine's history (a replacement
+        worker's start); engines without one ignore them. -> how many were taken."""
+        remember = getattr(self.engine, "remember", None)
+        if remember is None:
+            return 0
+        remember(rollouts)
+        return len(rollouts)
 
     def update_policy(self, weights: FlatWeights, version: int) -> int:
         self.engine.update_policy(unpack(weights), version)

@@ -9,13 +9,18 @@ from rollout.verify import rejection_sample, sample
 MIXED_PROMPTS = [[5, 6, 7], [8, 9, 10, 11, 12, 13, 14, 15, 16], [3], [20, 21, 22, 23, 24]]
 
 
-def lossy_rejection_sample(draft_tokens, draft_probs, target_probs, generator=None, num_drafts=None):
+def lossy_rejection_sample(draft_tokens, draft_probs, target_probs, generator=None, num_drafts=None, index=None,
+                           point_mass=None):
     """The classic mistake: after a rejection, resample from p instead of norm(max(0, p - q))."""
-    out, n = rejection_sample(draft_tokens, draft_probs, target_probs, generator, num_drafts)
-    k = draft_tokens.shape[1]
-    rows = torch.arange(out.shape[0])
+    out, n = rejection_sample(draft_tokens, draft_probs, target_probs, generator, num_drafts, index=index,
+                              point_mass=point_mass)
+    B, k = draft_tokens.shape
+    rows = torch.arange(B)
+    if index is None:
+        index = rows[:, None] * (k + 1) + torch.arange(k + 1)[None]
+        target_probs = target_probs.reshape(B * (k + 1), -1)
     rejected = n < (k if num_drafts is None else num_drafts)
-    from_p = sample(target_probs[rows, n], generator)
+    from_p = sample(target_probs[index[rows, n]], generator)
     out[rows, n] = torch.where(rejected, from_p, out[rows, n])
     return out, n
 

@@ -26,12 +26,12 @@ def model():
 
 @pytest.fixture(scope="module")
 def compiled(model):
-    return TorchEngine(*model, config=EngineConfig(compile=True, batch_buckets=(N,)))
+    return TorchEngine(*model, config=EngineConfig(compile=True, batch_buckets=(N,), draft_lengths="fixed"))
 
 
 @pytest.fixture(scope="module")
 def eager(model):
-    return TorchEngine(*model, config=EngineConfig(compile=False, batch_buckets=(N,)))
+    return TorchEngine(*model, config=EngineConfig(compile=False, batch_buckets=(N,), draft_lengths="fixed"))
 
 
 @pytest.mark.parametrize("k, mode", [(0, "rejection"), (1, "rejection"), (1, "greedy")])
@@ -51,7 +51,7 @@ def test_compiled_two_layer_heads_equal_eager(model):
     policy, _ = model
     heads = init_heads(policy, 1, seed=6, num_layers=2)
     sp = SamplingParams(max_new_tokens=20, temperature=0, ignore_eos=True, num_draft_tokens=1)
-    runs = [TorchEngine(policy, heads, config=EngineConfig(compile=c, batch_buckets=(N,))).generate(PROMPTS, sp)
+    runs = [TorchEngine(policy, heads, config=EngineConfig(compile=c, batch_buckets=(N,), draft_lengths="fixed")).generate(PROMPTS, sp)
             for c in (False, True)]
     assert [c.tokens for c in runs[0].completions] == [c.tokens for c in runs[1].completions]
     assert [c.round_accepted for c in runs[0].completions] == [c.round_accepted for c in runs[1].completions]
@@ -79,7 +79,7 @@ def test_compiled_bfloat16_sequence_distribution_unchanged_and_lossy_control_fai
     """The same distribution test on the compiled path in bfloat16 (the CPU's default dtype here)."""
     policy = random_model(tiny_config(vocab_size=5), seed=3, dtype=torch.bfloat16)
     engine = TorchEngine(policy, random_heads(policy, 1, seed=5),
-                         config=EngineConfig(compile=True, batch_buckets=(N,)))
+                         config=EngineConfig(compile=True, batch_buckets=(N,), draft_lengths="fixed"))
     plain = continuation_counts(engine, SamplingParams(max_new_tokens=3, temperature=1.0, ignore_eos=True,
                                                         seed=1), N)
     sp = SamplingParams(max_new_tokens=3, temperature=1.0, ignore_eos=True, seed=2, num_draft_tokens=1)

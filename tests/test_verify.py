@@ -96,7 +96,12 @@ def test_bad_shapes_raise():
     with pytest.raises(ValueError, match="k\\+1"):
         rejection_sample(torch.zeros(2, 3, dtype=torch.long), None, torch.rand(2, 3, 5))
     with pytest.raises(ValueError, match="draft_probs"):
-        rejection_sample(torch.zeros(2, 3, dtype=torch.long), torch.rand(2, 2, 5), torch.rand(2, 4, 5))
+        rejection_sample(torch.zeros(2, 3, dtype=torch.long), torch.rand(2, 4, 5), torch.rand(2, 4, 5))
+    with pytest.raises(ValueError, match="draft_probs"):
+        rejection_sample(torch.zeros(2, 3, dtype=torch.long), torch.rand(2, 2, 6), torch.rand(2, 4, 5))
+    with pytest.raises(ValueError, match="index"):
+        rejection_sample(torch.zeros(2, 3, dtype=torch.long), None, torch.rand(8, 5),
+                         index=torch.zeros(2, 3, dtype=torch.long))
 
 
 def test_process_logits_top_k_top_p_temperature():

@@ -22,13 +22,13 @@ class EngineConfig:
     # a verification of n tokens runs at the smallest of these widths >= n (padding), so that the
     # k values of adaptive speculation share graphs and slow MKL shapes are avoided.
     verify_widths: tuple[int, ...] = (1, 2, 4, 8, 16)
-    # adaptive k: num_draft_tokens in SamplingParams becomes the maximum; each round drafts the k
-    # in 0..max with the most expected tokens per unit of measured cost (rollout.engine.adaptive).
-    adaptive_k: bool = False
-    probe_every: int = 8                # while adaptive k's best is below max, the n-th round drafts more anyway,
-    max_probe_every: int = 128          # and each probe that changes nothing doubles n up to this (while
-                                        # probes lose over 1% of the time: AdaptiveK.probe_budget)
-    acceptance_halflife: float = 32.0   # rounds; smoothing of the per-position acceptance estimate
+    # with num_draft_tokens = k > 0: "chosen" = each row, each round, drafts 0..k tokens from the source
+    # predicted to pay most (rollout.engine.chooser); "fixed" = every unfinished row drafts k head tokens
+    # (studies of the heads themselves)
+    draft_lengths: str = "chosen"
+    draft_sources: tuple[str, ...] = ("heads", "history")   # what "chosen" may draft from
+    history_backend: str = "auto"       # rollout history's suffix index: auto | arctic | python (engine.history)
+    probe_every: int = 16               # "chosen": heads unverified this many rounds are verified once anyway
     profile: bool = False               # time draft/verify/accept/commit per round (syncs on GPU)
 
     def __post_init__(self):
@@ -38,9 +38,16 @@ class EngineConfig:
             raise ValueError(f"length_bucket must be >= 1, got {self.length_bucket}")
         if 1 not in self.verify_widths:
             raise ValueError(f"verify_widths must contain 1 (plain steps), got {self.verify_widths}")
-        if not 1 <= self.probe_every <= self.max_probe_every:
-            raise ValueError(f"need 1 <= probe_every <= max_probe_every, got {self.probe_every}, "
-                             f"{self.max_probe_every}")
+        if self.draft_lengths not in ("chosen", "fixed"):
+            raise ValueError(f"draft_lengths must be 'chosen' or 'fixed', got {self.draft_lengths!r}")
+        unknown = set(self.draft_sources) - {"heads", "history"}
+        if not self.draft_sources or unknown:
+            raise ValueError(f"draft_sources must be a non-empty subset of ('heads', 'history'), got "
+                             f"{self.draft_sources!r}")
+        if self.history_backend not in ("auto", "arctic", "python"):
+            raise ValueError(f"history_backend must be auto, arctic or python, got {self.history_backend!r}")
+        if self.probe_every < 1:
+            raise ValueError(f"probe_every must be >= 1, got {self.probe_every}")
 
 
 def bucket(n: int, buckets: tuple[int, ...]) -> int:

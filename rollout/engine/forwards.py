@@ -17,6 +17,7 @@ import torch
 
 from mtp_heads.heads import MTPDepth, MTPHeads
 from rollout.models.decoder import Cache, CausalLM, DecoderLayer, KVCache
+from rollout.models.paged_attention import PagedKVCache
 
 AUTO_COMPILE_MIN_PARAMS = 20_000_000
 
@@ -64,6 +65,23 @@ class Forwards:
         for i, layer in enumerate(model.layers):
             x = self._call(key, self._layer, layer, x, cos, sin, positions, cache.k[i], cache.v[i])
         return model.norm(x)
+
+    def target_packed(self, tokens: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor,
+                      query_start: torch.Tensor, cache: PagedKVCache) -> torch.Tensor:
+        """tokens, positions, rows [N]: each row's run of consecutive positions, rows in cache order
+        (query_start [B+1] int32 offsets) -> final-norm hidden [N, d]. Eager, paged caches only: the
+        variable per-row lengths go to the attention kernel as they are, without padding."""
+        model = self.policy.model
+        positions = positions[None]                                                   # [1, N]
+        cos, sin = model.rotary(positions)
+        x = model.embed_tokens(tokens[None])
+        cache.packed(rows, query_start)
+        try:
+            for i, layer in enumerate(model.layers):
+                x = layer(x, (cos, sin), positions, cache, i)
+        finally:
+            cache.packing = None
+        return model.norm(x)[0]
 
     def head(self, j: int, prev: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor,
              cache: Cache) -> torch.Tensor:

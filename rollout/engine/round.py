@@ -1,7 +1,11 @@
 """One decode round for every unfinished row at once: draft -> verify -> accept -> commit.
 
-No host synchronisation inside a round: shapes depend only on (bucket, k), sampling is the
-exponential race, and per-row lengths stay on the device. k = 0 is a plain decoding step.
+Each row drafts its own number of tokens from its own source (rollout.engine.chooser: the heads,
+rollout history, or nothing); a plan with no drafts is a plain decoding step. Verification is one
+target forward over every row's pending token and drafts: packed (each row's tokens only, the
+paged attention kernel takes per-row query lengths) where the cache is paged, else padded to the
+longest row's width. The round's host synchronisations are the heads' draft features (when heads
+drafted) and the engine's stop check after it.
 """
 from __future__ import annotations
 
@@ -10,14 +14,16 @@ from collections import defaultdict
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
-import torch.nn.functional as F
 
 from mtp_heads.heads import MTPHeads
+from rollout.engine.chooser import HEADS, HISTORY, DraftChooser, RoundPlan, RowView, fixed_plan
 from rollout.engine.config import bucket
 from rollout.engine.forwards import Forwards
 from rollout.engine.state import DecodeState
 from rollout.models.decoder import CausalLM, set_read_len
+from rollout.models.paged_attention import PagedKVCache
 from rollout.types import SamplingParams
 from rollout.verify import process_logits, process_logits_with_stats, rejection_sample, sample
 
@@ -59,19 +65,26 @@ class RoundContext:
     verify_widths: tuple[int, ...]
     head_width: int                   # positions per head-cache update chunk: max(k_max + 1, D)
     times: PhaseTimes
+    k_max: int = 0                    # the most drafts a row may verify in one round
 
 
 @dataclass
 class RoundResult:
-    k: int
+    k: int                            # the longest row's drafts (the verified width - 1)
     row_ids: torch.Tensor             # [B] prompt index of each slot (-1 = padding)
     active: torch.Tensor              # [B] bool: rows that were unfinished when the round began
     num_accepted: torch.Tensor        # [B]
-    num_drafts: torch.Tensor          # [B] drafts considered per row: k, or 0 where q was not finite
+    num_drafts: torch.Tensor          # [B] drafts verified per row (0: no drafts, or q was not finite)
     draft_entropy: torch.Tensor       # [B, k] H(p) at each draft position
+    plan: RoundPlan                   # sources and the predictor's view of each row's drafts
+    emitted: torch.Tensor             # [B, k+1] the round's output tokens (-1 after each row's last)
+    nonfinite: torch.Tensor | None = None   # [B] bool: heads rows whose q had NaN/inf (no drafts verified)
+    verified_tokens: int = 0          # tokens the target forward computed (cost model input)
 
 
 READ_WINDOW_STEP = 32   # the caches' read window grows in steps of this many positions
+PACK_MULTIPLE = 4       # packed forwards are padded to a multiple of this many tokens (fewer new shapes: oneDNN
+                        # pays ~0.7 ms per linear for each new row count on first use)
 
 
 def round_slack(k: int, verify_widths: tuple[int, ...], head_width: int, num_depths: int) -> int:
@@ -80,13 +93,13 @@ def round_slack(k: int, verify_widths: tuple[int, ...], head_width: int, num_dep
     The engine allocates its caches for k_max's slack; each round reads only its own."""
     if k == 0:
         return 2 * bucket(1, verify_widths) + 4
-    return 2 * max(bucket(k + 1, verify_widths), head_width) + num_depths + 4
+    return 2 * max(bucket(k + 1, verify_widths), head_width) + num_depths + PACK_MULTIPLE + 4
 
 
 def set_read_window(ctx: RoundContext, st: DecodeState, k: int) -> None:
     """Attention of the coming round reads cache positions < longest + its slack only (rounded up),
     the most any valid query can see: at batch 8 a step with ~100 tokens of context no longer pays
-    for the whole buffer (~2.5x as long), and a plain round of adaptive k no more than plain decoding."""
+    for the whole buffer (~2.5x as long), and a plain round no more than plain decoding."""
     D = ctx.heads.num_depths if ctx.heads is not None else 0
     need = st.longest + round_slack(k, ctx.verify_widths, ctx.head_width, D)
     window = min(st.max_len, -(-need // READ_WINDOW_STEP) * READ_WINDOW_STEP)
@@ -94,45 +107,110 @@ def set_read_window(ctx: RoundContext, st: DecodeState, k: int) -> None:
         set_read_len(cache, window)
 
 
-def run_round(ctx: RoundContext, st: DecodeState, k: int) -> RoundResult:
+def run_round(ctx: RoundContext, st: DecodeState, view: RowView, chooser: DraftChooser | None,
+              k_fixed: int) -> RoundResult:
+    """One round; `chooser` None = every unfinished row drafts k_fixed tokens from the heads."""
     sp, dev = ctx.sampling, st.seq.device
     B = st.batch
-    set_read_window(ctx, st, k)
-    rows = torch.arange(B, device=dev)
-    active, c = ~st.finished, st.committed
+    set_read_window(ctx, st, ctx.k_max)
+    c = st.committed
+    active = ~st.finished
     with ctx.times.phase("draft", dev):
-        if k > 0:
-            drafts, draft_probs, nonfinite = draft(ctx, st, k)
-        else:
-            drafts, draft_probs, nonfinite = torch.zeros(B, 0, dtype=torch.long, device=dev), None, None
+        h = chooser.head_steps(B, view) if chooser is not None else k_fixed
+        head_tokens = q = nonfinite = feature = None
+        if h > 0:
+            head_tokens, q, nonfinite = draft(ctx, st, h)                                 # [B, h], [B, h, V], [B]
+            feature = q.amax(-1).float().cpu().numpy() if chooser is not None else None   # [B, h] (a host sync)
+        plan = chooser.assign(B, view, h, feature) if chooser is not None else fixed_plan(view, k_fixed)
+        k = plan.width
+        drafts, num_drafts, point_mass = _draft_tensors(plan, view, head_tokens, sp.draft_mode, dev)
+        if nonfinite is not None:
+            num_drafts = torch.where(nonfinite & (torch.as_tensor(plan.source, device=dev) == HEADS), 0, num_drafts)
     with ctx.times.phase("verify", dev):
-        # the pending token and the k drafts in one target forward at positions c-1 .. c-1+k,
-        # padded to a compiled width (pad tokens land in cache slots that are rewritten before use)
-        width = bucket(k + 1, ctx.verify_widths)
-        pad = torch.zeros(B, width - k - 1, dtype=torch.long, device=dev)
-        tokens = torch.cat([st.seq.gather(1, (c - 1)[:, None]), drafts, pad], dim=1)     # [B, width]
-        hidden = ctx.forwards.target(tokens, c - 1, st.target)[:, :k + 1]                 # [B, k+1, d]
-        positions = (c - 1)[:, None] + torch.arange(k + 1, device=dev)
-        st.hidden[rows[:, None], positions] = hidden
-        logits = ctx.policy.compute_logits(hidden)                                        # [B, k+1, V]
+        pending = st.seq.gather(1, (c - 1)[:, None])                                       # [B, 1]
+        tokens = torch.cat([pending, drafts], dim=1)                                       # [B, k+1]
+        if isinstance(st.target, PagedKVCache) and not ctx.forwards.compiled and k > 0:
+            hidden, index, verified = _verify_packed(ctx, st, tokens, num_drafts)         # [N, d], [B, k+1]
+        else:
+            width = bucket(k + 1, ctx.verify_widths)
+            padded = torch.cat([tokens, tokens.new_zeros(B, width - k - 1)], dim=1)        # [B, width]
+            hidden = ctx.forwards.target(padded, c - 1, st.target)[:, :k + 1]              # [B, k+1, d]
+            positions = (c - 1)[:, None] + torch.arange(k + 1, device=dev)
+            st.hidden[torch.arange(B, device=dev)[:, None], positions] = hidden
+            hidden = hidden.reshape(B * (k + 1), -1)
+            index = torch.arange(B * (k + 1), device=dev).view(B, k + 1)
+            verified = B * width
+        logits = ctx.policy.compute_logits(hidden)                                         # [N, V]
         target_probs, ent, p_max = process_logits_with_stats(logits, sp.temperature, sp.top_k, sp.top_p)
     with ctx.times.phase("accept", dev):
-        num_drafts = torch.full((B,), k, dtype=torch.long, device=dev)
         if k == 0:   # a plain step: nothing to verify, the token is a draw from p
             num_accepted = torch.zeros(B, dtype=torch.long, device=dev)
-            output = sample(target_probs[:, 0], ctx.generator)[:, None]
+            output = sample(target_probs[index[:, 0]], ctx.generator)[:, None]
         else:
-            if nonfinite is not None:
-                num_drafts = torch.where(nonfinite, 0, num_drafts)
-            output, num_accepted = rejection_sample(drafts, None if sp.draft_mode == "greedy" else draft_probs,
-                                                    target_probs, ctx.generator, num_drafts)
+            heads_q = None if (q is None or sp.draft_mode == "greedy") else q[:, :k]
+            output, num_accepted = rejection_sample(drafts, heads_q, target_probs, ctx.generator, num_drafts,
+                                                    index=index, point_mass=point_mass)
     with ctx.times.phase("commit", dev):
-        commit(ctx, st, output, num_accepted, logits, ent, p_max)                         # [B, k+1] each
+        emitted = output.clamp_min(0)
+        logp = logits[index, emitted] - logits.logsumexp(-1)[index]                       # [B, k+1]
+        commit(ctx, st, output, num_accepted, logp, ent[index], p_max[index])
     ctx.times.rounds += 1
     for j in range(len(st.head_lag)):  # every row advanced by at most k+1 positions
         st.head_lag[j] += k + 1
     st.longest = min(st.longest + k + 1, st.max_len)
-    return RoundResult(k, st.row_ids, active, num_accepted, num_drafts, ent[:, :k])
+    return RoundResult(k, st.row_ids, active, num_accepted, num_drafts, ent[index[:, 1:]] if k else ent.new_zeros(B, 0),
+                       plan, output, nonfinite, verified)
+
+
+def _draft_tensors(plan: RoundPlan, view: RowView, head_tokens: torch.Tensor | None, draft_mode: str,
+                   dev: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The plan's drafts as tensors: tokens [B, k] (heads' or history's per row, 0 past a row's
+    count), counts [B] and point_mass [B] (history rows, and every row in greedy mode)."""
+    B, k = plan.source.shape[0], plan.width
+    drafts = torch.zeros(B, k, dtype=torch.long, device=dev)
+    source = torch.as_tensor(plan.source, device=dev)
+    if head_tokens is not None and k:
+        n = min(k, head_tokens.shape[1])
+        drafts[:, :n] = torch.where((source == HEADS)[:, None], head_tokens[:, :n], 0)
+    history_rows = np.flatnonzero(plan.source == HISTORY)
+    if history_rows.size:
+        copied = np.zeros((history_rows.size, k), dtype=np.int64)
+        for i, b in enumerate(history_rows):
+            n = int(plan.num_drafts[b])
+            copied[i, :n] = view.history_tokens[b][:n]
+        drafts[torch.as_tensor(history_rows, device=dev)] = torch.as_tensor(copied, device=dev)
+    num_drafts = torch.as_tensor(plan.num_drafts, dtype=torch.long, device=dev)
+    point_mass = (source == HISTORY) | (draft_mode == "greedy")
+    return drafts, num_drafts, point_mass
+
+
+def _verify_packed(ctx: RoundContext, st: DecodeState, tokens: torch.Tensor, num_drafts: torch.Tensor):
+    """Row b's pending token and its num_drafts[b] drafts, every row's run back to back in one
+    [1, N] forward (N padded up to PACK_MULTIPLE by extending the last row's run with scratch
+    positions, rewritten before anything reads them).
+
+    tokens [B, k+1] -> hidden [N, d], index [B, k+1] (row b's position j -> its run's min(j, n_b)),
+    N."""
+    B, width = tokens.shape
+    dev = tokens.device
+    counts = num_drafts + 1                                                               # [B]
+    total = int(counts.sum())
+    pad = -total % PACK_MULTIPLE
+    counts_padded = counts.clone()
+    counts_padded[-1] += pad
+    starts = torch.zeros(B + 1, dtype=torch.long, device=dev)
+    starts[1:] = counts_padded.cumsum(0)
+    N = total + pad
+    rows = torch.repeat_interleave(torch.arange(B, device=dev), counts_padded)           # [N]
+    offset = torch.arange(N, device=dev) - starts[rows]                                   # [N] position in the run
+    positions = st.committed[rows] - 1 + offset
+    flat_tokens = tokens[rows, offset.clamp_max(width - 1)]
+    flat_tokens = torch.where(offset < counts[rows], flat_tokens, 0)
+    positions = positions.clamp_max(st.max_len - 1)
+    hidden = ctx.forwards.target_packed(flat_tokens, positions, rows, starts.to(torch.int32), st.target)
+    st.hidden[rows, positions] = hidden
+    index = starts[:B, None] + torch.minimum(torch.arange(width, device=dev)[None], num_drafts[:, None])
+    return hidden, index, N
 
 
 # --------------------------------------------------------------------------------- draft
@@ -217,10 +295,11 @@ def draft_token(ctx: RoundContext, head_hidden: torch.Tensor):
 
 
 # --------------------------------------------------------------------------------- commit
-def commit(ctx: RoundContext, st: DecodeState, output, num_accepted, logits, ent, p_max) -> None:
+def commit(ctx: RoundContext, st: DecodeState, output, num_accepted, logp, ent, p_max) -> None:
     """Append each active row's n+1 emitted tokens, cut at a stop token or max_new_tokens.
 
-    output [B, k+1] (-1 after the last); num_accepted [B]; logits [B, k+1, V]; ent, p_max [B, k+1]."""
+    output [B, k+1] (-1 after the last); num_accepted [B]; logp (log p of each output token under the
+    raw logits), ent, p_max [B, k+1]."""
     sp = ctx.sampling
     B, width = output.shape
     dev = output.device
@@ -237,7 +316,6 @@ def commit(ctx: RoundContext, st: DecodeState, output, num_accepted, logits, ent
     rows = torch.arange(B, device=dev)[:, None]
     tokens = output.clamp_min(0)
     st.seq[rows, pos] = torch.where(keep, tokens, st.seq[rows, pos])
-    logp = F.log_softmax(logits.float(), -1).gather(-1, tokens[..., None]).squeeze(-1)
     st.logprob[rows, pos] = torch.where(keep, logp, st.logprob[rows, pos])
     st.token_entropy[rows, pos] = torch.where(keep, ent, st.token_entropy[rows, pos])
     st.token_max_prob[rows, pos] = torch.where(keep, p_max.float(), st.token_max_prob[rows, pos])

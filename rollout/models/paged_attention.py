@@ -58,6 +58,17 @@ class PagedKVCache:
                             + torch.arange(self.blocks_per_row, dtype=torch.int32))          # [B, nb]
         self.isa = _isa(head_dim)
         self._plan: tuple | None = None      # (positions, num_heads, plan) of the last forward
+        # packed forwards (rows of different query lengths in one [1, N] call): the cache row of each of
+        # the N tokens and the query offsets [B+1]; None = one [B, T] block. See `packed`.
+        self.packing: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def packed(self, rows: torch.Tensor, query_start: torch.Tensor) -> "PagedKVCache":
+        """Let the next forward pass N tokens as one [1, N] sequence: token i belongs to cache row
+        rows[i], and row b's tokens are query_start[b] .. query_start[b+1]-1 (consecutive positions;
+        every row of the cache has at least one). Verification of per-row draft lengths computes
+        only the tokens each row drafted, not B times the longest."""
+        self.packing = (rows, query_start)
+        return self
 
     def plan(self, positions: torch.Tensor, num_heads: int) -> tuple[torch.Tensor, ...]:
         """What every layer of one forward shares, made once per positions tensor [B, T]: the slots
@@ -67,10 +78,18 @@ class PagedKVCache:
         memo = self._plan
         if memo is not None and memo[0] is positions and memo[1] == num_heads:
             return memo[2]
-        B, T = positions.shape
-        slots = (positions + self.blocks_per_row * BLOCK * torch.arange(B)[:, None]).flatten()
-        seq_lens = (positions[:, -1] + 1).to(torch.int32)
-        query_start = torch.arange(0, (B + 1) * T, T, dtype=torch.int32)
+        if self.packing is not None:          # positions [1, N] of rows' consecutive runs
+            rows, starts = self.packing
+            flat = positions.reshape(-1)
+            B = starts.numel() - 1
+            slots = flat + self.blocks_per_row * BLOCK * rows
+            seq_lens = (flat[starts[1:].long() - 1] + 1).to(torch.int32)
+            query_start = starts.to(torch.int32)
+        else:
+            B, T = positions.shape
+            slots = (positions + self.blocks_per_row * BLOCK * torch.arange(B)[:, None]).flatten()
+            seq_lens = (positions[:, -1] + 1).to(torch.int32)
+            query_start = torch.arange(0, (B + 1) * T, T, dtype=torch.int32)
         schedule = torch.ops._C.get_scheduler_metadata(
             B, num_heads, self.num_kv_heads, self.head_dim, seq_lens, self.dtype, query_start,
             True, -1, self.isa, False, None, "auto")

@@ -10,9 +10,11 @@ are measured (see docs/design.md "Definitions"):
   acceptance accepted / reached per bin, weighted least squares over bin centres; for this
   step and cumulatively over the run.
 
-Each slope comes with a bootstrap 95% percentile interval. Output goes to an append-only
-JSONL (fsync'ed per record, readable after a crash), TensorBoard scalars, a CSV summary
-and two PNG figures.
+The per-position slope is also fitted per draft source (MTP heads, tokens copied from
+history). Each slope comes with a bootstrap 95% percentile interval. Per step it also
+records where drafts came from, how long they were and how well the engine's acceptance
+predictor was calibrated. Output goes to an append-only JSONL (fsync'ed per record, readable
+after a crash), TensorBoard scalars, a CSV summary and three PNG figures.
 """
 from __future__ import annotations
 
@@ -27,12 +29,14 @@ from pathlib import Path
 from typing import Any
 
 from rollout.fileio import atomic_write
-from rollout.monitor.plots import plot_acceptance_vs_entropy, plot_over_steps
-from rollout.monitor.positions import EntropyHistogram, binned_slope, per_position_slope
+from rollout.monitor.drafting import SOURCES, Calibration, drafting_stats
+from rollout.monitor.plots import plot_acceptance_vs_entropy, plot_calibration, plot_over_steps
+from rollout.monitor.positions import (MIN_BINS, EntropyHistogram, PositionPoints, binned_slope, entropy_bins,
+                                       per_position_slope)
 from rollout.monitor.records import (fit_from_dict, flatten_record, json_safe, load_records, records_csv,
                                      repair_jsonl_tail)
 from rollout.monitor.slope import per_step_slope
-from rollout.monitor.step_stats import GroupHistory, batch_versions, by_domain, group_stats, k_choice_summary
+from rollout.monitor.step_stats import GroupHistory, batch_versions, by_domain, group_stats
 from rollout.types import Completion, RolloutBatch
 
 logger = logging.getLogger(__name__)
@@ -70,8 +74,8 @@ class AcceptanceMonitor:
     """Per-RL-step acceptance/entropy statistics, slope fits, drift alerts and their files.
 
     Files under config.out_dir: monitor.jsonl (append-only, one record per step or event),
-    monitor_state.json (cumulative histograms, for re-opening), summary.csv, tb/,
-    acceptance_vs_entropy.png, over_steps.png. Re-opening an existing out_dir continues
+    monitor_state.json (cumulative histograms and calibration, for re-opening), summary.csv, tb/,
+    acceptance_vs_entropy.png, over_steps.png, calibration.png. Re-opening an existing out_dir continues
     the run: records are read back (a truncated last line is cut) and appended to.
     """
 
@@ -80,6 +84,7 @@ class AcceptanceMonitor:
     CSV = "summary.csv"
     PNG_SCATTER = "acceptance_vs_entropy.png"
     PNG_STEPS = "over_steps.png"
+    PNG_CALIBRATION = "calibration.png"
 
     def __init__(self, config: MonitorConfig):
         self.config = config
@@ -87,6 +92,9 @@ class AcceptanceMonitor:
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self._all = self._new_group()
         self._domains: dict[str, GroupHistory] = {}
+        # run-long aggregates per draft source: reached positions (per-source cumulative slope), calibration
+        self._source_hists: dict[str, EntropyHistogram] = {}
+        self._calibration: dict[str, Calibration] = {s: Calibration() for s in SOURCES}
         self._records: list[dict] = []          # step records in memory, for CSV and plots
         self._events: list[dict] = []
         self._active_alerts: set[str] = set()
@@ -109,6 +117,10 @@ class AcceptanceMonitor:
         if self._first_step is None:
             self._first_step = int(step)
         comps = batch.completions
+        group, pts = self._update_group(self._all, comps, step)
+        drafting, calibration = drafting_stats(comps)
+        for name, cal in calibration.items():
+            self._calibration.setdefault(name, Calibration()).merge(cal)
         rec: dict[str, Any] = {
             "step": int(step),
             "time": time.time(),
@@ -116,13 +128,12 @@ class AcceptanceMonitor:
             "wall_time_s": batch.wall_time_s,
             **batch_versions(comps),
             "head_staleness": self._staleness(step) if staleness is None else staleness,
-            **self._update_group(self._all, comps, step),
-            "domains": {d: self._update_group(self._domain(d), cs, step)
+            **group,
+            "domains": {d: self._update_group(self._domain(d), cs, step)[0]
                         for d, cs in by_domain(comps).items()},
+            "drafting": drafting,
+            "slope_by_source": self._source_slopes(pts, step, list(calibration)),
         }
-        draft_k = k_choice_summary(batch.k_choices)
-        if draft_k is not None:        # adaptive k (workers.adaptive_k): what each round drafted and why
-            rec["draft_k"] = draft_k
         rec["alerts"] = self._check_alerts(rec)
         rec["extra"] = dict(extra or {})
         rec = json_safe(rec)
@@ -150,16 +161,18 @@ class AcceptanceMonitor:
         return atomic_write(self.out_dir / self.CSV, records_csv(self._records))
 
     def plot(self) -> list[Path]:
-        """Write acceptance_vs_entropy.png and over_steps.png from the records so far."""
+        """Write acceptance_vs_entropy.png, over_steps.png and calibration.png from the run so far."""
         a = self.out_dir / self.PNG_SCATTER
         b = self.out_dir / self.PNG_STEPS
+        c = self.out_dir / self.PNG_CALIBRATION
         last = self._records[-1] if self._records else {}
         plot_acceptance_vs_entropy(a, self._all.hist.bins(self.config.n_bins),
                                     fit_from_dict(last.get("slope_position_cum")), self._records,
                                     fit_from_dict(last.get("slope_step_run")))
         plot_over_steps(b, self._records, self._events, window=self.config.window,
                         min_acceptance=self.config.min_acceptance)
-        return [a, b]
+        plot_calibration(c, self._calibration)
+        return [a, b, c]
 
     def close(self) -> None:
         """Final CSV and plots, then close the JSONL and TensorBoard writer. Idempotent."""
@@ -208,8 +221,9 @@ class AcceptanceMonitor:
             self._domains[name] = self._new_group()
         return self._domains[name]
 
-    def _update_group(self, g: GroupHistory, comps: Sequence[Completion], step: int) -> dict[str, Any]:
-        """Step means + all four slopes of one group; updates its history first."""
+    def _update_group(self, g: GroupHistory, comps: Sequence[Completion],
+                      step: int) -> tuple[dict[str, Any], PositionPoints]:
+        """Step means + all four slopes of one group (updates its history first), and its points."""
         cfg = self.config
         block, pts = group_stats(comps)
         g.append(step, block)
@@ -223,7 +237,31 @@ class AcceptanceMonitor:
             "slope_position_cum": binned_slope(g.hist.bins(cfg.n_bins), n_boot=cfg.n_boot, seed=seed),
         }
         return {**block, "acceptance_window": g.window_acceptance(w),
-                **{k: f.to_dict() for k, f in fits.items()}, "bins_step": bins_now.to_dict()}
+                **{k: f.to_dict() for k, f in fits.items()}, "bins_step": bins_now.to_dict()}, pts
+
+    def _source_slopes(self, pts: PositionPoints, step: int, names: list[str]) -> dict[str, dict[str, dict]]:
+        """Per-position slope of each draft source's reached positions, this step ("step") and over the
+        run ("cum"); a fit is listed once it has the MIN_BINS entropy bins every per-position fit needs,
+        a source once it has a fit. Updates the per-source cumulative histograms first."""
+        cfg, seed = self.config, self.config.seed + int(step)
+        out: dict[str, dict[str, dict]] = {}
+        for name in dict.fromkeys([*names, *self._source_hists]):   # this step's sources (heads, history first)
+            m = pts.reached & (pts.source == name)
+            if m.any():
+                self._source_hist(name).add(pts.entropy[m], pts.accepted[m])
+            fits = {"step": binned_slope(entropy_bins(pts.entropy[m], pts.accepted[m], n_bins=cfg.n_bins),
+                                         n_boot=cfg.n_boot, seed=seed)}
+            if name in self._source_hists:
+                fits["cum"] = binned_slope(self._source_hists[name].bins(cfg.n_bins), n_boot=cfg.n_boot, seed=seed)
+            fits = {k: f.to_dict() for k, f in fits.items() if f.n >= MIN_BINS}
+            if fits:
+                out[name] = fits
+        return out
+
+    def _source_hist(self, name: str) -> EntropyHistogram:
+        if name not in self._source_hists:
+            self._source_hists[name] = EntropyHistogram(self.config.hist_width, self.config.max_entropy)
+        return self._source_hists[name]
 
     def _staleness(self, step: int) -> int:
         """Steps since the last head_refresh event, or since the first step if none yet."""
@@ -309,14 +347,16 @@ class AcceptanceMonitor:
     def _save_state(self) -> None:
         state = {"step": self._records[-1]["step"] if self._records else None,
                  "all": self._all.hist.to_dict(),
-                 "domains": {d: g.hist.to_dict() for d, g in self._domains.items()}}
+                 "domains": {d: g.hist.to_dict() for d, g in self._domains.items()},
+                 "sources": {s: h.to_dict() for s, h in self._source_hists.items()},
+                 "calibration": {s: c.to_dict() for s, c in self._calibration.items()}}
         atomic_write(self.out_dir / self.STATE, json.dumps(state))  # dumps: C encoder
 
     def _load_state(self) -> None:
         path = self.out_dir / self.STATE
         if not path.exists():
             if self._records:
-                logger.warning("%s missing: cumulative per-position slope restarts from zero", path)
+                logger.warning("%s missing: cumulative per-position slopes and calibration restart from zero", path)
             return
         try:
             state = json.loads(path.read_text(encoding="utf-8"))
@@ -326,6 +366,10 @@ class AcceptanceMonitor:
         self._all.hist = EntropyHistogram.from_dict(state["all"])
         for d, h in state["domains"].items():
             self._domain(d).hist = EntropyHistogram.from_dict(h)
+        # a state file from before per-source drafting lacks these: they start from zero
+        self._source_hists = {s: EntropyHistogram.from_dict(h) for s, h in state.get("sources", {}).items()}
+        for s, c in state.get("calibration", {}).items():
+            self._calibration[s] = Calibration.from_dict(c)
         last = self._records[-1]["step"] if self._records else None
         if state["step"] != last:
             logger.warning("%s is from step %s but the log ends at step %s", path, state["step"], last)

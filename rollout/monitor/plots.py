@@ -1,7 +1,7 @@
-"""The monitor's two figures: acceptance vs entropy (per position and per step), and
-acceptance, entropy, the policy's max-probability and tau over RL steps with refreshes and
-alerts marked. The studies in experiments/ draw theirs with the same helpers (new_figure,
-save_png, column).
+"""The monitor's three figures: acceptance vs entropy (per position and per step); acceptance,
+entropy, the policy's max-probability, tau and where emitted tokens came from over RL steps,
+with refreshes and alerts marked; and the acceptance predictor's calibration. The studies in
+experiments/ draw theirs with the same helpers (new_figure, save_png, column).
 
 matplotlib's object API on Agg: no pyplot, no global backend switch, safe in Ray workers
 and threads. PNGs are written atomically so a viewer never shows half a file.
@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from rollout.fileio import atomic_write
+from rollout.monitor.drafting import Calibration
 from rollout.monitor.positions import EntropyBins
 from rollout.monitor.records import as_float
 from rollout.monitor.slope import SlopeFit
@@ -37,8 +38,14 @@ def save_png(fig, path: Path) -> None:
     atomic_write(path, buf.getvalue())
 
 
-def column(records: list[dict], key: str) -> np.ndarray:
-    return np.array([as_float(r.get(key)) for r in records], dtype=np.float64)
+def column(records: list[dict], key: str, *path: str) -> np.ndarray:
+    """records[i][key][path...] as floats; a missing entry is NaN (older records lack newer keys)."""
+    def get(r):
+        v = r.get(key)
+        for k in path:
+            v = v.get(k) if isinstance(v, dict) else None
+        return v
+    return np.array([as_float(get(r)) for r in records], dtype=np.float64)
 
 
 def _fit_label(name: str, fit: SlopeFit) -> str:
@@ -104,11 +111,11 @@ def _mark_events(ax, events: list[dict], legend: bool) -> None:
 
 def plot_over_steps(path: Path, records: list[dict], events: list[dict], *, window: int,
                     min_acceptance: float) -> None:
-    """Acceptance, entropy, the policy's max-probability and tau against RL step, with refresh events
-    and alert steps marked."""
-    fig, axes = new_figure(4, 1, (10, 10), dict(left=0.08, right=0.98, bottom=0.05, top=0.985, hspace=0.08),
+    """Acceptance, entropy, the policy's max-probability, tau and the emitted tokens' sources against
+    RL step, with refresh events and alert steps marked."""
+    fig, axes = new_figure(5, 1, (10, 12.5), dict(left=0.08, right=0.92, bottom=0.04, top=0.988, hspace=0.08),
                             sharex=True)
-    ax_acc, ax_ent, ax_max, ax_tau = axes[:, 0]
+    ax_acc, ax_ent, ax_max, ax_tau, ax_src = axes[:, 0]
     steps = column(records, "step")
     acc = column(records, "acceptance_rate")
     ax_acc.plot(steps, acc, "o-", ms=3, color="tab:blue", label="acceptance rate")
@@ -130,11 +137,68 @@ def plot_over_steps(path: Path, records: list[dict], events: list[dict], *, wind
                 label="share of tokens with max_v p(v) > 0.9")
     ax_max.set(ylabel="max-probability of p", ylim=(-0.02, 1.02))
     ax_tau.plot(steps, column(records, "acceptance_length"), "o-", ms=3, color="tab:purple", label="tau")
-    ax_tau.set(ylabel="tokens / verification (tau)", xlabel="RL step")
+    ax_tau.set(ylabel="tokens / verification (tau)")
+    _draw_sources(ax_src, records, steps)
     for i, ax in enumerate((ax_acc, ax_ent, ax_max, ax_tau)):
         _mark_events(ax, events, legend=i == 0)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7, loc="best")
+    _mark_events(ax_src, events, legend=False)
+    save_png(fig, path)
+
+
+_SOURCE_COLORS = {"heads": "tab:blue", "history": "tab:orange"}
+
+
+def _draw_sources(ax, records: list[dict], steps: np.ndarray) -> None:
+    """Share of emitted tokens per draft source and from plain/bonus tokens (left axis, [0, 1]) and the
+    mean draft length of the rows that drafted (right axis)."""
+    names = list(dict.fromkeys(n for r in records for n, v in r.get("drafting", {}).items()
+                               if isinstance(v, dict) and "token_share" in v))
+    for n in names:
+        ax.plot(steps, column(records, "drafting", n, "token_share"), "o-", ms=3,
+                color=_SOURCE_COLORS.get(n), label=f"{n} drafts")
+    ax.plot(steps, column(records, "drafting", "plain_token_share"), "s-", ms=3, color="tab:gray",
+            label="plain / bonus tokens")
+    ax.set(ylabel="share of emitted tokens", ylim=(-0.02, 1.02), xlabel="RL step")
+    ax.grid(alpha=0.3)
+    twin = ax.twinx()
+    length = column(records, "drafting", "draft_length", "mean")
+    twin.plot(steps, length, "^--", ms=3, color="black", lw=1, label="mean draft length (right)")
+    top = np.nanmax(length) if np.isfinite(length).any() else 1.0
+    twin.set(ylabel="drafts per drafting row-round", ylim=(0, 1.4 * top))   # headroom for the legend
+    handles, labels = ax.get_legend_handles_labels()
+    h2, l2 = twin.get_legend_handles_labels()
+    ax.legend(handles + h2, labels + l2, fontsize=7, loc="upper center", ncol=4)
+
+
+def plot_calibration(path: Path, calibration: dict[str, Calibration]) -> None:
+    """Reliability diagram of the engine's acceptance predictor, cumulative over the run: per source,
+    mean predicted vs observed conditional acceptance per probability bin (area ~ reached positions),
+    against the diagonal of perfect calibration; below, the positions per bin."""
+    fig, axes = new_figure(2, 1, (6.5, 7.0), dict(left=0.12, right=0.97, bottom=0.08, top=0.95, hspace=0.08),
+                            sharex=True, gridspec_kw={"height_ratios": [3, 1]})
+    ax, ax_n = axes[:, 0]
+    ax.plot([0, 1], [0, 1], ls="--", color="gray", lw=1, label="perfectly calibrated")
+    shown = [(n, c) for n, c in calibration.items() if c.count.sum()]
+    width = 1.0 / max(c.n_bins for _, c in shown) / (len(shown) + 1) if shown else 0.0
+    for i, (name, cal) in enumerate(shown):
+        pred, obs, cnt = cal.table()
+        nz = cnt > 0
+        color = _SOURCE_COLORS.get(name)
+        ax.plot(pred[nz], obs[nz], "-", color=color, lw=1, alpha=0.7)
+        ax.scatter(pred[nz], obs[nz], s=15 + 150 * cnt[nz] / cnt.max(), color=color, alpha=0.8,
+                   label=f"{name}: {int(cnt.sum())} positions, calibration error {cal.error():.3f}")
+        lefts = np.arange(cal.n_bins) / cal.n_bins
+        ax_n.bar(lefts + (i + 0.5) * width, cnt, width=width, align="edge", color=color, alpha=0.8)
+    if not shown:
+        ax.text(0.5, 0.5, "no predicted acceptances recorded yet", ha="center", va="center", color="gray")
+    ax.set(title="acceptance predictor, cumulative over the run", xlim=(0, 1), ylim=(-0.02, 1.02),
+           ylabel="observed conditional acceptance")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, loc="upper left")
+    ax_n.set(xlabel="predicted conditional acceptance", ylabel="reached positions")
+    ax_n.grid(alpha=0.3)
     save_png(fig, path)
 
 

@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from rollout.monitor.drafting import round_sources
 from rollout.monitor.slope import SlopeFit, fit_slope
 from rollout.types import Completion
 
@@ -28,6 +29,7 @@ class PositionPoints:
     position: np.ndarray   # [M] int64, draft position j in its round (0-based)
     reached: np.ndarray    # [M] bool, j <= accepted in that round (its verdict was decided)
     accepted: np.ndarray   # [M] bool, j < accepted in that round
+    source: np.ndarray | None = None   # [M] str, where that round's drafts came from (heads | history)
 
     def __len__(self) -> int:
         return int(self.entropy.size)
@@ -42,7 +44,7 @@ def _completion_points(c: Completion) -> PositionPoints | None:
         raise ValueError(f"draft_entropies has {len(c.draft_entropies)} rounds, "
                          f"round_accepted has {len(c.round_accepted)}")
     acc = np.asarray(c.round_accepted, np.int64)                         # [R]
-    # drafts per round: num_draft_tokens, or each round's own k under adaptive k (0 = a plain round)
+    # drafts per round: num_draft_tokens, or each round's own count (rows draft 0..k per round)
     k = np.asarray(c.round_draft_tokens, np.int64) if c.round_draft_tokens else np.full(acc.size, c.num_draft_tokens)
     if k.size != acc.size:
         raise ValueError(f"round_draft_tokens has {k.size} rounds, round_accepted has {acc.size}")
@@ -58,7 +60,8 @@ def _completion_points(c: Completion) -> PositionPoints | None:
     ent = np.fromiter(chain.from_iterable(c.draft_entropies), np.float64, int(lens.sum()))  # [M]
     pos = np.arange(ent.size) - np.repeat(np.cumsum(lens) - lens, lens)  # [M] j within its round
     acc_rep = np.repeat(acc, lens)                                       # [M]
-    return PositionPoints(ent, pos, pos <= acc_rep, pos < acc_rep)
+    src = np.repeat(np.asarray(round_sources(c), dtype=object), lens)    # [M]
+    return PositionPoints(ent, pos, pos <= acc_rep, pos < acc_rep, src)
 
 
 def position_points(completions: Iterable[Completion]) -> PositionPoints:
@@ -66,15 +69,18 @@ def position_points(completions: Iterable[Completion]) -> PositionPoints:
 
     Position j of round r is reached iff j <= round_accepted[r] and accepted iff
     j < round_accepted[r]. Unreached positions are kept (reached=False) when the engine
-    recorded their entropy. Completions without draft_entropies contribute no rows.
+    recorded their entropy. Completions without draft_entropies contribute no rows. `source`
+    is the round's Completion.round_sources entry ("heads" when the engine records none).
     """
     parts = [p for p in map(_completion_points, completions) if p is not None]
     if not parts:
-        return PositionPoints(np.empty(0), np.empty(0, np.int64), np.empty(0, bool), np.empty(0, bool))
+        return PositionPoints(np.empty(0), np.empty(0, np.int64), np.empty(0, bool), np.empty(0, bool),
+                              np.empty(0, object))
+
     def cat(name: str) -> np.ndarray:
         return np.concatenate([getattr(p, name) for p in parts])
 
-    pts = PositionPoints(cat("entropy"), cat("position"), cat("reached"), cat("accepted"))
+    pts = PositionPoints(cat("entropy"), cat("position"), cat("reached"), cat("accepted"), cat("source"))
     if not np.isfinite(pts.entropy).all():
         raise ValueError("draft_entropies contain NaN or inf")
     return pts
@@ -122,13 +128,16 @@ def entropy_bins(entropy, accepted, *, counts=None, n_bins: int = 10) -> Entropy
                        n_reached[keep].astype(np.int64))
 
 
+MIN_BINS = 3   # non-empty entropy bins a per-position fit needs (fit_slope's minimum of points)
+
+
 def binned_slope(bins: EntropyBins, *, n_boot: int = 1000, seed: int = 0) -> SlopeFit:
-    """fit_slope over bin centres weighted by reached counts; empty fit if < 3 bins.
+    """fit_slope over bin centres weighted by reached counts; empty fit if < MIN_BINS bins.
 
     The bootstrap resamples bins, so the CI reflects scatter between bins, not the
     binomial noise inside each bin.
     """
-    if bins.entropy.size < 3:
+    if bins.entropy.size < MIN_BINS:
         return SlopeFit.empty(int(bins.entropy.size))
     return fit_slope(bins.entropy, bins.acceptance, weights=bins.count, n_boot=n_boot, seed=seed)
 

@@ -21,7 +21,7 @@ from rollout.monitor.slope import SlopeFit
 
 logger = logging.getLogger(__name__)
 
-_NOT_COLUMNS = frozenset({"bins_step"})   # per-bin arrays stay in the JSONL, out of CSV/TensorBoard
+_NOT_COLUMNS = frozenset({"bins_step", "calibration"})   # per-bin arrays stay in the JSONL, out of CSV/TensorBoard
 
 
 def json_safe(v: Any) -> Any:
@@ -55,7 +55,7 @@ def flatten_record(rec: dict, sep: str = ".") -> dict[str, Any]:
     """Nested step record -> flat columns (CSV, TensorBoard tags).
 
     slope_step_window.ci_low, cond_acceptance.0, domains.math.acceptance_rate; alerts
-    become one column of ';'-joined names; bins_* arrays are left out.
+    become one column of ';'-joined names; the per-bin arrays (bins_step, calibration) are left out.
     """
     out: dict[str, Any] = {}
 

@@ -6,7 +6,6 @@ over steps and the windowed acceptance, plus its cumulative per-position histogr
 """
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from itertools import chain
@@ -105,21 +104,3 @@ def batch_versions(comps: Sequence[Completion]) -> dict[str, int | None]:
     hv = [c.head_version for c in comps]
     return {"policy_version_min": min(pv, default=None), "policy_version_max": max(pv, default=None),
             "head_version_min": min(hv, default=None), "head_version_max": max(hv, default=None)}
-
-
-def k_choice_summary(choices: Sequence) -> dict | None:
-    """Adaptive k's per-round choices of one step (rollout.engine.adaptive.KChoice: .k, .reason,
-    .tokens_per_cost, .plain_tokens_per_cost, .acceptance) -> what the monitor logs as `draft_k`; None when
-    the step drafted a fixed k. Keys: rounds, mean_k, rounds_per_k {k: n}, rounds_per_reason {reason: n},
-    last (the step's last choice: k, reason, its expected tokens per unit cost vs plain's, the acceptance
-    estimate it used)."""
-    if not choices:
-        return None
-    per_k = Counter(str(c.k) for c in choices)
-    per_reason = Counter(c.reason for c in choices)
-    last = choices[-1]
-    return {"rounds": len(choices), "mean_k": sum(c.k for c in choices) / len(choices),
-            "rounds_per_k": dict(sorted(per_k.items())), "rounds_per_reason": dict(sorted(per_reason.items())),
-            "last": {"k": last.k, "reason": last.reason, "tokens_per_cost": last.tokens_per_cost,
-                     "plain_tokens_per_cost": last.plain_tokens_per_cost, "acceptance": list(last.acceptance)}}
-

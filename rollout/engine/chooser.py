@@ -1,0 +1,182 @@
+"""Per row and per round: draft from the heads, from rollout history, or not at all, and how many.
+
+A drafted token pays where the tokens it is expected to add beat what the same time buys in plain
+decoding. With the round's cost modelled as a + b * (tokens verified) + c * (head steps)
+(rollout.engine.round_cost), a plain round of `bucket` rows makes `active` tokens in
+a + b * bucket seconds, so a candidate token whose expected contribution (the product of the
+predicted acceptances up to it, rollout.engine.predictor) is at least b * active / (a + b * bucket)
+is worth its verification. That threshold is fixed before any drafting, and each row keeps the
+leading drafts above it: whether position j is verified depends on features known by the time
+position j was drafted (the distribution it came from, never the sampled token, and nothing drafted
+after it), which keeps verification lossless (see rollout.engine.predictor).
+
+Head steps run for the whole batch, so their number h is chosen once per round before drafting, as
+the h with the most expected tokens per modelled second under the predictor's per-position levels.
+Rows whose history draft is worth more than the heads' take the history draft. When a source has
+not been verified for `probe_every` rounds (it looked not worth it), one round verifies it anyway:
+one head token per row, or the history drafts of the rows that have one. Estimates that are never
+tested cannot recover: improved heads (a co-trainer refresh), or history once the policy's
+entropy falls and its rollouts repeat.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from rollout.engine.predictor import HEADS, HISTORY, AcceptancePredictor
+from rollout.engine.round_cost import RoundCostModel
+
+NONE = -1
+
+
+@dataclass
+class RowView:
+    """What the chooser knows about the batch's rows at the start of a round (host arrays)."""
+
+    active: np.ndarray                       # [B] bool
+    entropy: np.ndarray                      # [B] nats where each row's last token was sampled
+    row_ids: np.ndarray | None = None        # [B] prompt index of each slot (-1 = padding)
+    history_tokens: list[list[int]] = field(default_factory=list)   # per row (empty: no history draft)
+    history_cond: list[np.ndarray] = field(default_factory=list)    # per row: P(token j | tokens < j) from counts
+    history_match: np.ndarray | None = None  # [B] match length
+
+
+@dataclass
+class RoundPlan:
+    """The round's drafting: per row its source and how many drafts are verified."""
+
+    head_steps: int
+    source: np.ndarray                       # [B] int: HEADS, HISTORY or NONE
+    num_drafts: np.ndarray                   # [B] int
+    predicted: list[np.ndarray]              # per row: predicted conditional acceptance of each kept draft
+    features: list[np.ndarray]               # per row: the feature of each kept draft (predictor input)
+    reason: str = "chosen"                   # chosen | probe (heads) | probe_history | fixed
+
+    @property
+    def width(self) -> int:
+        return int(self.num_drafts.max(initial=0))
+
+
+class DraftChooser:
+    def __init__(self, k_max: int, sources: tuple[str, ...], *, predictor: AcceptancePredictor | None = None,
+                 costs: RoundCostModel | None = None, probe_every: int = 16):
+        self.k_max = k_max
+        self.use_heads, self.use_history = "heads" in sources, "history" in sources
+        self.predictor = predictor or AcceptancePredictor(k_max)
+        self.costs = costs or RoundCostModel()
+        self.probe_every = probe_every
+        self.rounds_without_heads = 0
+        self.rounds_without_history = 0
+
+    # ------------------------------------------------------------------ threshold
+    def threshold(self, bucket: int, active: int) -> float:
+        """Expected tokens a verified draft must add to beat plain decoding for its time."""
+        a, b, _ = self.costs.coefficients(bucket)
+        return b * active / (a + b * bucket)
+
+    def _history_option(self, view: RowView, b: int, tau: float) -> tuple[int, np.ndarray, float]:
+        """(drafts kept, their predicted acceptances, expected tokens) of row b's history draft."""
+        if not self.use_history or not view.history_tokens or not view.history_tokens[b]:
+            return 0, np.zeros(0), 0.0
+        cond = view.history_cond[b][:self.k_max]
+        acc = self.predictor.predict(HISTORY, cond, float(view.entropy[b]), int(view.history_match[b]))
+        reach = np.cumprod(acc)
+        n = int(np.argmin(reach >= tau)) if (reach < tau).any() else len(reach)
+        return n, acc[:n], float(reach[:n].sum())
+
+    def _heads_levels(self, entropy: float, h: int) -> np.ndarray:
+        return np.array([self.predictor.predict_marginal(HEADS, j, entropy) for j in range(1, h + 1)])
+
+    # ------------------------------------------------------------------ before drafting
+    def head_steps(self, bucket: int, view: RowView) -> int:
+        """How many head steps this round runs (0 = none), from per-position levels."""
+        if not self.use_heads or self.k_max == 0:
+            return 0
+        active = np.flatnonzero(view.active)
+        if active.size == 0:
+            return 0
+        if self.rounds_without_heads >= self.probe_every:
+            return 1
+        tau = self.threshold(bucket, active.size)
+        hist = {int(b): self._history_option(view, int(b), tau) for b in active}
+        best_h, best_rate = 0, None
+        for h in range(self.k_max + 1):
+            tokens, verified = float(active.size), bucket
+            for b in active:
+                n_hist, _, e_hist = hist[int(b)]
+                reach = np.cumprod(self._heads_levels(float(view.entropy[b]), h))
+                n_head = int((reach >= tau).sum()) if h else 0    # levels decrease along the chain
+                e_head = float(reach[:n_head].sum()) if h else 0.0
+                if e_head > e_hist:
+                    tokens, verified = tokens + e_head, verified + n_head
+                else:
+                    tokens, verified = tokens + e_hist, verified + n_hist
+            rate = tokens / self.costs.seconds(bucket, verified, h)
+            if best_rate is None or rate > best_rate * (1 + 1e-9):
+                best_h, best_rate = h, rate
+        return best_h
+
+    # ------------------------------------------------------------------ after drafting
+    def assign(self, bucket: int, view: RowView, head_steps: int, head_feature: np.ndarray | None) -> RoundPlan:
+        """Per row: source and drafts kept. head_feature [B, head_steps]: the max probability of
+        the heads' distribution at each drafted position (None without head steps)."""
+        B = view.active.shape[0]
+        source, num = np.full(B, NONE), np.zeros(B, dtype=np.int64)
+        predicted, features = [np.zeros(0)] * B, [np.zeros(0)] * B
+        active = np.flatnonzero(view.active)
+        probe = head_steps > 0 and self.rounds_without_heads >= self.probe_every
+        probe_history = (not probe and self.use_history and self.rounds_without_history >= self.probe_every
+                         and any(view.history_tokens[int(b)] for b in active))
+        tau = self.threshold(bucket, max(active.size, 1))
+        for b in active:
+            b = int(b)
+            n_hist, acc_hist, e_hist = self._history_option(view, b, tau)
+            n_head, acc_head, e_head = 0, np.zeros(0), 0.0
+            if head_steps:
+                entropy = float(view.entropy[b])
+                acc_head = self.predictor.predict(HEADS, head_feature[b], entropy)
+                reach = np.cumprod(acc_head)
+                n_head = int(np.argmin(reach >= tau)) if (reach < tau).any() else head_steps
+                # the source is chosen on what was known before the first head token was drawn (its
+                # distribution's feature, and the levels of the positions after it), not on positions
+                # drafted from it
+                before = np.cumprod(np.concatenate([acc_head[:1], self._heads_levels(entropy, head_steps)[1:]]))
+                e_head = float(before[:int(np.argmin(before >= tau)) if (before < tau).any() else head_steps].sum())
+                if probe:
+                    n_head, e_head = max(n_head, 1), max(e_head, float(acc_head[0]))
+            if probe_history and view.history_tokens[b]:
+                n_hist = max(n_hist, 1)
+                acc_hist = self.predictor.predict(HISTORY, view.history_cond[b][:n_hist], float(view.entropy[b]),
+                                                  int(view.history_match[b]))
+            if n_head and e_head > 0 and (e_head >= e_hist or probe) and not (probe_history and n_hist):
+                source[b], num[b], predicted[b] = HEADS, n_head, acc_head[:n_head]
+                features[b] = head_feature[b][:n_head]
+            elif n_hist:
+                source[b], num[b], predicted[b] = HISTORY, n_hist, acc_hist
+                features[b] = view.history_cond[b][:n_hist]
+        self.rounds_without_heads = 0 if (source == HEADS).any() or not self.use_heads else self.rounds_without_heads + 1
+        self.rounds_without_history = (0 if (source == HISTORY).any() or not self.use_history
+                                       else self.rounds_without_history + 1)
+        reason = "probe" if probe else "probe_history" if probe_history else "chosen"
+        return RoundPlan(head_steps, source, num, predicted, features, reason)
+
+    def heads_changed(self) -> None:
+        """New head weights: verify them next round instead of trusting the old estimates."""
+        self.rounds_without_heads = self.probe_every
+
+    def observe(self, view: RowView, plan: RoundPlan, num_accepted: np.ndarray) -> None:
+        """Verification's outcome for every row that drafted (the predictor learns from it)."""
+        for b in np.flatnonzero(plan.num_drafts > 0):
+            b = int(b)
+            match = int(view.history_match[b]) if plan.source[b] == HISTORY else 0
+            self.predictor.observe(int(plan.source[b]), plan.features[b], float(view.entropy[b]), match,
+                                   int(plan.num_drafts[b]), int(num_accepted[b]))
+
+
+def fixed_plan(view: RowView, k: int) -> RoundPlan:
+    """Every unfinished row drafts k tokens from the heads (studies, fixed-k benchmarks)."""
+    B = view.active.shape[0]
+    num = np.where(view.active, k, 0).astype(np.int64)
+    source = np.where(view.active & (k > 0), HEADS, NONE)
+    return RoundPlan(k, source, num, [np.zeros(0)] * B, [np.zeros(0)] * B, "fixed")

@@ -1,0 +1,174 @@
+"""Per-row drafting decisions: the acceptance predictor, the round-cost model and the chooser."""
+import numpy as np
+import pytest
+
+from rollout.engine.chooser import NONE, DraftChooser, RowView, fixed_plan
+from rollout.engine.predictor import HEADS, HISTORY, AcceptancePredictor, feature_bin
+from rollout.engine.round_cost import RoundCostModel
+
+
+def _simulate(pred: AcceptancePredictor, rng, rounds: int, k: int, truth, source=HEADS, observe=True):
+    """Rounds of one row drafting k tokens with features ~ U(0, 1); token j accepted with prob truth(f_j).
+    -> (predicted, observed) conditional acceptance of every reached position."""
+    predicted, observed = [], []
+    for _ in range(rounds):
+        f = rng.uniform(0, 1, k)
+        entropy = rng.uniform(0, 4)
+        p = pred.predict(source, f, entropy)
+        accepted = 0
+        while accepted < k and rng.uniform() < truth(f[accepted], entropy):
+            accepted += 1
+        for j in range(min(k, accepted + 1)):
+            predicted.append(p[j])
+            observed.append(1.0 if j < accepted else 0.0)
+        if observe:
+            pred.observe(source, f, entropy, 0, k, accepted)
+    return np.array(predicted), np.array(observed)
+
+
+def test_predictor_is_calibrated_on_held_out_rounds():
+    """A known acceptance process (rises with the feature, falls with entropy): after training rounds, on
+    held-out rounds the predictions match the observed rates per predicted-probability bin and overall, and
+    rank better than a constant (Brier score)."""
+    rng = np.random.default_rng(0)
+    truth = lambda f, h: 0.9 * f * (1.0 - 0.15 * h)   # noqa: E731
+    pred = AcceptancePredictor(3, halflife=1e9)
+    _simulate(pred, rng, 6000, 3, truth)
+    p, o = _simulate(pred, rng, 3000, 3, truth, observe=False)
+    assert abs(p.mean() - o.mean()) < 0.02
+    bins = np.digitize(p, [0.2, 0.4, 0.6])
+    for b in np.unique(bins):
+        sel = bins == b
+        if sel.sum() > 200:
+            assert abs(p[sel].mean() - o[sel].mean()) < 0.05, (b, p[sel].mean(), o[sel].mean())
+    brier, constant = np.mean((p - o) ** 2), np.mean((o.mean() - o) ** 2)
+    assert brier < 0.9 * constant
+
+
+def test_predictor_keeps_sources_and_positions_apart_and_follows_a_moving_process():
+    pred = AcceptancePredictor(2, halflife=64)
+    f = np.array([0.5, 0.5])
+    for _ in range(400):
+        pred.observe(HEADS, f, 1.0, 0, 2, 2)          # heads: always accepted
+        pred.observe(HISTORY, f, 1.0, 3, 2, 0)        # history: never
+    assert pred.predict(HEADS, f, 1.0)[0] > 0.95 and pred.predict(HISTORY, f, 1.0, 3)[0] < 0.05
+    assert feature_bin(np.array([0.05, 0.95])).tolist() == [0, 9]
+    for _ in range(600):                                # the heads get worse: the estimate follows
+        pred.observe(HEADS, f, 1.0, 0, 2, 0)
+    assert pred.predict(HEADS, f, 1.0)[0] < 0.1
+
+
+def test_cost_model_recovers_its_coefficients_and_falls_back_to_the_prior():
+    costs = RoundCostModel(halflife=1e9)
+    rng = np.random.default_rng(1)
+    for _ in range(300):
+        n, h = int(rng.integers(8, 40)), int(rng.integers(0, 4))
+        costs.observe(8, n, h, (0.05 + 0.002 * n + 0.006 * h) * rng.uniform(0.97, 1.03))
+    a, b, c = costs.coefficients(8)
+    assert a == pytest.approx(0.05, rel=0.1) and b == pytest.approx(0.002, rel=0.1) and c == pytest.approx(0.006, rel=0.15)
+    # a bucket seen only in plain rounds: its plain time is the unit and the split comes from the prior
+    costs.observe(16, 16, 0, 0.5)          # the first round of a shape pays for kernel set-up: no sample
+    assert not costs.known(16)
+    costs.observe(16, 16, 0, 0.08)
+    assert costs.seconds(16, 16, 0) == pytest.approx(0.08, rel=0.05)
+    assert costs.seconds(16, 32, 0) > costs.seconds(16, 16, 0)
+
+
+def _view(B, entropy=1.0, history=None):
+    view = RowView(active=np.ones(B, bool), entropy=np.full(B, entropy), row_ids=np.arange(B))
+    if history is not None:
+        view.history_tokens = [list(t) for t in history]
+        view.history_cond = [np.full(len(t), 0.9) for t in history]
+        view.history_match = np.full(B, 5)
+    return view
+
+
+def _train(chooser, source, rate, rounds=300, k=3):
+    for _ in range(rounds):
+        accepted = 0
+        while accepted < k and np.random.default_rng(accepted).uniform() < rate:
+            accepted += 1
+        chooser.predictor.observe(source, np.full(k, 0.9), 1.0, 5, k, int(rate * k))
+
+
+def _plain_costs(bucket=8):
+    costs = RoundCostModel()
+    for _ in range(20):   # a verified token costs 2% of a plain round here, a head step 5%
+        for n, h in ((bucket, 0), (2 * bucket, 1), (3 * bucket, 2), (bucket + 4, 1)):
+            costs.observe(bucket, n, h, 0.1 * (0.84 + 0.02 * n + 0.05 * h))
+    return costs
+
+
+def test_useless_sources_draft_nothing_and_good_history_is_used():
+    chooser = DraftChooser(3, ("heads", "history"), costs=_plain_costs(), probe_every=1000)
+    _train(chooser, HEADS, 0.0)
+    _train(chooser, HISTORY, 0.0)
+    view = _view(8, history=[[1, 2, 3]] * 8)
+    assert chooser.head_steps(8, view) == 0
+    plan = chooser.assign(8, view, 0, None)
+    assert (plan.source == NONE).all() and plan.width == 0
+    good = DraftChooser(3, ("heads", "history"), costs=_plain_costs(), probe_every=1000)
+    _train(good, HEADS, 0.0)
+    _train(good, HISTORY, 1.0)
+    view = _view(8, history=[[1, 2, 3]] * 4 + [[]] * 4)      # half the rows have a history draft
+    assert good.head_steps(8, view) == 0
+    plan = good.assign(8, view, 0, None)
+    assert (plan.source[:4] == HISTORY).all() and (plan.num_drafts[:4] == 3).all()
+    assert (plan.source[4:] == NONE).all() and (plan.num_drafts[4:] == 0).all()
+
+
+def test_heads_unverified_for_probe_every_rounds_are_probed():
+    chooser = DraftChooser(3, ("heads",), costs=_plain_costs(), probe_every=5)
+    _train(chooser, HEADS, 0.0)
+    view = _view(8)
+    steps = []
+    for _ in range(12):
+        h = chooser.head_steps(8, view)
+        steps.append(h)
+        chooser.assign(8, view, h, np.full((8, h), 0.5) if h else None)
+    assert steps.count(1) == 2 and steps[5] == 1 and set(steps) == {0, 1}
+    chooser.heads_changed()                                   # new weights: verified at once
+    assert chooser.head_steps(8, view) == 1
+
+
+def test_what_is_verified_at_position_j_never_depends_on_what_was_drafted_after_it():
+    """Losslessness needs the decision to verify draft j to be made on what was known when it was drafted
+    (its distribution's feature and earlier ones), not on later positions, which depend on the drafted token."""
+    rng = np.random.default_rng(3)
+    chooser = DraftChooser(4, ("heads", "history"), costs=_plain_costs(), probe_every=1000)
+    for _ in range(2000):     # acceptance rising with the feature
+        f = rng.uniform(0, 1, 4)
+        acc = 0
+        while acc < 4 and rng.uniform() < f[acc]:
+            acc += 1
+        chooser.predictor.observe(HEADS, f, 1.0, 0, 4, acc)
+    view = _view(8, history=[[7, 7]] * 8)
+    for _ in range(200):
+        feats = rng.uniform(0, 1, (8, 4))
+        base = chooser.assign(8, view, 4, feats)
+        for j in range(1, 4):
+            changed = feats.copy()
+            changed[:, j:] = rng.uniform(0, 1, (8, 4 - j))
+            other = chooser.assign(8, view, 4, changed)
+            assert (other.source == base.source).all()
+            heads = base.source == HEADS
+            assert (np.minimum(other.num_drafts, j)[heads] == np.minimum(base.num_drafts, j)[heads]).all()
+
+
+def test_fixed_plan_drafts_k_head_tokens_for_every_unfinished_row():
+    view = _view(4)
+    view.active[2] = False
+    plan = fixed_plan(view, 3)
+    assert plan.num_drafts.tolist() == [3, 3, 0, 3] and plan.source.tolist() == [HEADS, HEADS, NONE, HEADS]
+
+
+def test_history_unverified_for_probe_every_rounds_is_probed():
+    """History that looked useless (early rollouts at a high entropy) is verified again now and then: once
+    the policy's rollouts repeat, its estimates must be able to recover."""
+    chooser = DraftChooser(3, ("history",), costs=_plain_costs(), probe_every=4)
+    _train(chooser, HISTORY, 0.0)
+    view = _view(8, history=[[1, 2, 3]] * 8)
+    reasons = [chooser.assign(8, view, 0, None).reason for _ in range(10)]
+    assert reasons.count("probe_history") == 2 and reasons[4] == "probe_history"
+    probe = [p for p in (chooser.assign(8, view, 0, None) for _ in range(5)) if p.reason == "probe_history"][0]
+    assert (probe.source == HISTORY).all() and (probe.num_drafts >= 1).all()

@@ -1,0 +1,140 @@
+"""Per-row draft lengths and sources (heads, rollout history) in the torch engine: never a change in
+what is generated, on both attention kernels (padded verification over SDPA, packed over the paged
+kernel)."""
+from dataclasses import replace
+
+import numpy as np
+import pytest
+import torch
+
+import rollout.engine.round as round_module
+from rollout.engine.chooser import DraftChooser
+from rollout.engine.config import EngineConfig
+from rollout.engine.predictor import HISTORY
+from rollout.models.decoder import random_model
+from rollout.torch_engine import TorchEngine
+from rollout.types import SamplingParams
+from tests.conftest import random_heads
+from tests.lossless import MIXED_PROMPTS, chi2_pvalue, lossy_rejection_sample
+from tests.test_torch_engine import ATTENTION, attention_config
+
+
+def eager_chooser(monkeypatch):
+    """The real chooser with a threshold near 0, so that every row drafts whatever it has, and odd rows
+    that have a history draft take it: the widest mix of sources and lengths in one batch, which is what
+    losslessness must survive (the choice depends on the row and its history, as the real one may)."""
+    monkeypatch.setattr(DraftChooser, "threshold", lambda self, bucket, active: 1e-3)
+    assign = DraftChooser.assign
+
+    def mixed(self, bucket, view, head_steps, head_feature):
+        plan = assign(self, bucket, view, head_steps, head_feature)
+        for b in range(1, len(plan.source), 2):
+            if view.active[b] and view.history_tokens and view.history_tokens[b]:
+                n = len(view.history_tokens[b])
+                plan.source[b], plan.num_drafts[b] = HISTORY, n
+                plan.predicted[b], plan.features[b] = np.full(n, 0.5), view.history_cond[b][:n]
+        return plan
+    monkeypatch.setattr(DraftChooser, "assign", mixed)
+
+
+@pytest.mark.parametrize("attention", sorted(ATTENTION))
+@pytest.mark.parametrize("mode", ["greedy", "rejection"])
+def test_temperature_zero_per_row_drafts_equal_plain_decoding(attention, mode, monkeypatch):
+    """Heads and history drafts of different lengths per row, rows finishing at different times (stop tokens
+    and max_new_tokens), a second call drafting from the first call's rollouts: tokens equal plain decoding."""
+    eager_chooser(monkeypatch)
+    policy = random_model(attention_config(attention, vocab_size=32), seed=1)
+    heads = random_heads(policy, 2, seed=2)
+    prompts = MIXED_PROMPTS + MIXED_PROMPTS[:2]              # repeated prompts: a group with siblings
+    unstopped = TorchEngine(policy).generate(prompts, SamplingParams(max_new_tokens=40, temperature=0,
+                                                                     ignore_eos=True))
+    stop = unstopped.completions[0].tokens[12]                # a token some rows emit: they stop there
+    base = SamplingParams(max_new_tokens=40, temperature=0, ignore_eos=True, stop_token_ids=(stop,))
+    plain = TorchEngine(policy).generate(prompts, base)
+    engine = TorchEngine(policy, heads)
+    sp = replace(base, num_draft_tokens=4, draft_mode=mode)
+    first, second = engine.generate(prompts, sp), engine.generate(prompts, sp)
+    for out in (first, second):
+        assert [c.tokens for c in out.completions] == [c.tokens for c in plain.completions]
+    assert len({len(c.tokens) for c in plain.completions}) > 1          # rows finished at different times
+    sources = {s for c in first.completions + second.completions for s in c.round_sources}
+    assert sources == {"heads", "history"}
+    lengths = {n for c in first.completions + second.completions for n in c.round_draft_tokens}
+    assert len(lengths) > 1
+    history_accepted = sum(n for c in second.completions for n, s in zip(c.round_accepted, c.round_sources)
+                           if s == "history")
+    assert history_accepted > 0
+
+
+@pytest.mark.parametrize("attention", sorted(ATTENTION))
+def test_sequence_distribution_unchanged_by_mixed_sources_in_one_batch(attention, monkeypatch):
+    """3-token continuations at T = 1 with heads and history drafts mixed in every batch: the same
+    distribution as plain sampling (chi-square); the lossy verifier fails the same test."""
+    eager_chooser(monkeypatch)
+    cfg = attention_config(attention, vocab_size=5)
+    policy = random_model(cfg, seed=3)
+    engine = TorchEngine(policy, random_heads(policy, 1, seed=5))
+    n = 4000
+    prompt = [[4, 2, 4, 2, 4]]
+    plain = [tuple(c.tokens) for c in TorchEngine(policy).generate(
+        prompt * n, SamplingParams(max_new_tokens=3, temperature=1.0, ignore_eos=True, seed=1)).completions]
+    sp = SamplingParams(max_new_tokens=3, temperature=1.0, ignore_eos=True, seed=2, num_draft_tokens=2)
+    engine.generate(prompt * 64, sp)                     # history of this prompt to copy from
+    spec_batch = engine.generate(prompt * n, sp)
+    spec = [tuple(c.tokens) for c in spec_batch.completions]
+    sources = [s for c in spec_batch.completions for s in c.round_sources]
+    assert sources.count("history") > n // 10 and sources.count("heads") > n // 10
+    assert chi2_pvalue(plain, spec) > 1e-3
+    monkeypatch.setattr(round_module, "rejection_sample", lossy_rejection_sample)
+    lossy = [tuple(c.tokens) for c in engine.generate(prompt * n, sp).completions]
+    assert chi2_pvalue(plain, lossy) < 1e-6
+
+
+@pytest.mark.parametrize("attention", sorted(ATTENTION))
+def test_history_only_drafting_needs_no_heads_and_is_lossless(attention):
+    policy = random_model(attention_config(attention, vocab_size=32), seed=4)
+    engine = TorchEngine(policy, config=EngineConfig(draft_sources=("history",)))
+    plain = TorchEngine(policy).generate(MIXED_PROMPTS, SamplingParams(max_new_tokens=30, temperature=0,
+                                                                       ignore_eos=True))
+    sp = SamplingParams(max_new_tokens=30, temperature=0, ignore_eos=True, num_draft_tokens=3)
+    for _ in range(2):
+        out = engine.generate(MIXED_PROMPTS, sp)
+        assert [c.tokens for c in out.completions] == [c.tokens for c in plain.completions]
+    assert {s for c in out.completions for s in c.round_sources} == {"history"}
+    assert engine.history.stats()["responses"] >= len(MIXED_PROMPTS)
+
+
+def test_fixed_lengths_draft_k_head_tokens_for_every_row(tiny_policy, tiny_heads):
+    engine = TorchEngine(tiny_policy, tiny_heads, config=EngineConfig(draft_lengths="fixed"))
+    out = engine.generate(MIXED_PROMPTS, SamplingParams(max_new_tokens=12, temperature=1.0, ignore_eos=True,
+                                                        num_draft_tokens=3, seed=0))
+    for c in out.completions:
+        assert set(c.round_draft_tokens) == {3} and set(c.round_sources) == {"heads"}
+    assert engine.history is None
+
+
+def test_the_chooser_learns_and_the_history_persists_across_calls(tiny_policy, tiny_heads):
+    engine = TorchEngine(tiny_policy, tiny_heads)
+    sp = SamplingParams(max_new_tokens=16, temperature=1.0, ignore_eos=True, num_draft_tokens=2, seed=0)
+    engine.generate(MIXED_PROMPTS, sp)
+    chooser, history = engine.chooser, engine.history
+    assert chooser.costs.known(4)
+    engine.generate(MIXED_PROMPTS, sp)
+    assert engine.chooser is chooser and engine.history is history
+    assert history.stats()["responses"] == 2 * len(MIXED_PROMPTS)
+
+
+def test_packed_verification_writes_each_rows_cache_like_a_fresh_prefill(monkeypatch):
+    """After per-row drafts were verified packed (paged kernel), every row's cache and hidden states over its
+    committed tokens equal a fresh prefill of those tokens."""
+    eager_chooser(monkeypatch)
+    policy = random_model(attention_config("paged", vocab_size=32), seed=6)
+    engine = TorchEngine(policy, random_heads(policy, 2, seed=1))
+    sp = SamplingParams(max_new_tokens=20, temperature=1.0, ignore_eos=True, num_draft_tokens=3, seed=3,
+                        return_hidden_states=True)
+    out = engine.generate(MIXED_PROMPTS, sp)
+    assert len({n for c in out.completions for n in c.round_draft_tokens}) > 1
+    for c in out.completions:
+        full = torch.tensor([c.prompt + c.tokens])
+        hidden = policy.hidden_states(full)[0, len(c.prompt) - 1:len(c.prompt) - 1 + len(c.tokens)]
+        assert np.allclose(c.hidden_states, hidden.numpy(), atol=1e-4)
