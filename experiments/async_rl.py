@@ -26,18 +26,18 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
 from mtp_heads.heads import MTPHeads, heads_from_flat
-from mtp_heads.shipped import HEAD_SOURCES, resolve_heads
+from mtp_heads.shipped import resolve_heads
 from rollout.accelerator import RolloutAccelerator
 from rollout.config_loader import config_help, packaged_config, wants_help, write_resolved
 from rollout.models.flat_weights import pack
 from rollout.models.loaders import DEFAULT_MODEL
 from rollout.ray_guard import local_ray
-from rollout.run_dir import RunLock, check_writable, read_json, read_jsonl
+from rollout.run_dir import RunLock, check_not_busy, check_writable, read_json, read_jsonl
 from rollout.types import RolloutBatch, SamplingParams
-from trainers.config import USAGE, RunConfig, load_run_config
+from trainers.config import USAGE, RunConfig, inside_run_dir, load_run_config, run_dir_relative
 from trainers.grpo import GRPOTrainer, Prefetcher
 from trainers.rl_policy import Policy, load_rl_policy
-from trainers.run_state import (CHECKPOINTS, LOGS, MONITOR_STATE, Checkpoint, latest_checkpoint, rewind_run_dir,
+from trainers.run_state import (CHECKPOINTS, LOGS, MONITOR_STATE, Checkpoint, resume_checkpoint, rewind_run_dir,
                                    save_checkpoint)
 from trainers.tasks import REASONING_GYM, Task, TaskSource
 
@@ -47,10 +47,19 @@ CHECKPOINT_WAIT_S = 30.0   # longest a checkpoint waits for the co-trainer's in-
 DEFAULT_CONFIG = packaged_config("async_rl")
 
 
+class CoTrainerLost(RuntimeError):
+    """The head co-trainer died for good during the run (and cotrainer_required is true)."""
+
+
 def make_heads(policy: Policy, cfg: RunConfig) -> MTPHeads:
-    """The run's starting heads from `heads` (shipped, init or a checkpoint path)."""
+    """The run's starting heads from `heads` (shipped, init or a checkpoint path); heads made for
+    another model are refused naming the key."""
     acc = cfg.accelerator
-    heads, desc = resolve_heads(policy.model, cfg.heads, model=acc.model, num_depths=acc.num_depths, seed=cfg.seed)
+    try:
+        heads, desc = resolve_heads(policy.model, cfg.heads, model=acc.model, num_depths=acc.num_depths,
+                                    seed=cfg.seed)
+    except ValueError as e:
+        raise ValueError(str(e) if str(e).startswith("heads=") else f"heads={cfg.heads}: {e}") from None
     logger.info("heads: %s", desc)
     return heads
 
@@ -110,12 +119,13 @@ def _fmt(x) -> str:
 def check_config(cfg: RunConfig) -> None:
     """Every check that needs no model: run before the lock, any file or Ray. Errors name the key."""
     check_finite_config(cfg)
-    if cfg.heads not in HEAD_SOURCES:                   # a checkpoint path: exists, readable header, right depth
+    path = heads_file(cfg)
+    if path is not None:                                # a heads file: readable header, right depth
         from mtp_heads.checkpoint import read_meta
-        path = Path(cfg.heads).expanduser()
-        if not path.is_file():
-            raise ValueError(f"heads={cfg.heads!r}: no such heads file; use shipped, init or a checkpoint path")
-        meta = read_meta(path)
+        try:
+            meta = read_meta(path)
+        except ValueError as e:
+            raise ValueError(f"heads={cfg.heads}: {e}") from None
         if meta.num_depths != cfg.accelerator.num_depths:
             raise ValueError(f"heads={cfg.heads}: {path} holds {meta.num_depths} MTP depths but "
                              f"accelerator.num_depths={cfg.accelerator.num_depths}; set accelerator.num_depths="
@@ -127,6 +137,22 @@ def check_config(cfg: RunConfig) -> None:
             cfg.sampling.params(step, cfg.total_steps, cfg.seed).validate()
         except ValueError as e:
             raise ValueError(f"config key sampling.{e} (at step {step})") from None
+
+
+def heads_file(cfg: RunConfig) -> Path | None:
+    """The file `heads` names (the shipped or cached heads for `shipped`), None for `init` or a
+    shipped file that is missing (check_paths says so)."""
+    from mtp_heads.shipped import shipped_heads_path, trained_heads_path
+
+    if cfg.heads == "init":
+        return None
+    if cfg.heads == "shipped":
+        path = shipped_heads_path(cfg.accelerator.model) or trained_heads_path(cfg.accelerator.model)
+        return path if path.is_file() else None
+    path = Path(cfg.heads).expanduser()
+    if not path.is_file():
+        raise ValueError(f"heads={cfg.heads!r}: no such heads file; use shipped, init or a checkpoint path")
+    return path
 
 
 def check_finite_config(cfg, prefix: str = "") -> None:
@@ -142,11 +168,16 @@ def check_finite_config(cfg, prefix: str = "") -> None:
 
 
 def check_paths(cfg: RunConfig) -> None:
-    """Caches the run will write into must be writable now, not after minutes of work."""
+    """The run directory and the caches the run will write into must be writable now, not after
+    minutes of work; nothing is created here."""
     from mtp_heads.shipped import shipped_heads_path, trained_heads_path
     from rollout.models.default_model import cache_dir, needs_download
 
     acc = cfg.accelerator
+    for key, path in (("out_dir", cfg.out_dir), ("accelerator.cotrainer.checkpoint_dir", acc.cotrainer.checkpoint_dir),
+                      ("accelerator.monitor.out_dir", acc.monitor.out_dir)):
+        if path:
+            check_writable(path, key)
     if acc.model == DEFAULT_MODEL and needs_download():
         check_writable(cache_dir(), "the model cache ($MTP_ROLLOUT_CACHE)")
     if cfg.heads == "shipped" and shipped_heads_path(acc.model) is None and \
@@ -180,65 +211,102 @@ def _flat(node, prefix: str = ""):
             yield f"{prefix}{k}", v
 
 
+RESUME_FREE = ("resume", "progress", "checkpoint_every", "keep_checkpoints", "cotrainer_required")
+
+
 def check_resume(cfg: RunConfig, resolved, run_dir: Path) -> None:
-    """A resumed run must be the same run: same config but for these keys."""
+    """A resumed run must be the same run: same config but for RESUME_FREE and where the run
+    directory is (a moved or copied one resumes; its paths inside it follow it)."""
     saved_path = run_dir / "config.yaml"
     if not saved_path.is_file():
         raise ValueError(f"resume=true but out_dir {run_dir} holds no run to resume (no config.yaml)")
     try:
-        saved = OmegaConf.to_container(OmegaConf.load(saved_path), resolve=True)
+        saved = OmegaConf.create(run_dir_relative(saved_path.read_text(encoding="utf-8")))
+        OmegaConf.update(saved, "out_dir", cfg.out_dir, merge=False)
+        saved = OmegaConf.to_container(saved, resolve=True)
     except Exception as e:  # noqa: BLE001 - yaml/omegaconf errors
-        raise ValueError(f"{saved_path} is not a readable config ({e})") from None
+        raise ValueError(f"{saved_path} is not a readable config ({' '.join(str(e).split())})") from None
     now = json.loads(json.dumps(OmegaConf.to_container(OmegaConf.create(resolved), resolve=True)))
     saved, now = dict(_flat(saved)), dict(_flat(now))
-    free = {"resume", "progress", "checkpoint_every"}
+    free = {*RESUME_FREE, "out_dir"}
     diff = [f"{k}: {saved.get(k)!r} -> {now.get(k)!r}" for k in sorted(set(saved) | set(now))
             if k not in free and saved.get(k) != now.get(k)]
     if diff:
         raise ValueError(f"resume=true with another config than {saved_path}: {'; '.join(diff)[:800]}. "
-                         "Resume with the same settings (only resume, progress, checkpoint_every may change)")
+                         f"Resume with the same settings (only {', '.join(RESUME_FREE)} may change)")
+
+
+def check_run_dir(cfg: RunConfig, resolved, run_dir: Path) -> None:
+    """out_dir holds this run to resume, or no run at all; reads only."""
+    if cfg.resume:
+        check_resume(cfg, resolved, run_dir)
+    elif holds_run(run_dir):
+        raise ValueError(f"out_dir {run_dir} already holds a run ({', '.join(holds_run(run_dir))}); resume it "
+                         f"with `mtp-rollout run out_dir={run_dir} resume=true`, or pass another out_dir=...")
 
 
 def run(cfg: RunConfig, resolved) -> Path:
+    """The job. Every check of the input (config, run directory, paths, the model's context, the
+    heads against the model) runs before the lock is taken, a file is written or Ray starts."""
     check_config(cfg)
     run_dir = Path(cfg.out_dir)
+    check_not_busy(run_dir)
+    check_run_dir(cfg, resolved, run_dir)
+    check_paths(cfg)
+    torch.manual_seed(cfg.seed)
+    torch.set_num_threads(cfg.trainer_threads)
+    policy = load_rl_policy(cfg.accelerator.model, cfg.accelerator.dtype, cfg.seed)
+    check_lengths(cfg, policy)
+    heads = None if cfg.resume else make_heads(policy, cfg)
+    lost = None
     with RunLock(run_dir):
-        if cfg.resume:
-            check_resume(cfg, resolved, run_dir)
-            ckpt = latest_checkpoint(run_dir)
-        elif holds_run(run_dir):
-            raise ValueError(f"out_dir {run_dir} already holds a run ({', '.join(holds_run(run_dir))}); resume it "
-                             f"with `mtp-rollout run out_dir={run_dir} resume=true`, or pass another out_dir=...")
-        else:
-            ckpt = None
-        check_paths(cfg)
-        torch.manual_seed(cfg.seed)
-        torch.set_num_threads(cfg.trainer_threads)
-        policy = load_rl_policy(cfg.accelerator.model, cfg.accelerator.dtype, cfg.seed)
-        check_lengths(cfg, policy)
-        if cfg.resume:
-            rewind_run_dir(run_dir, ckpt, cfg.accelerator.cotrainer.checkpoint_dir)
-            for name in LOGS:                           # damaged before the checkpoint: say which file, now
-                read_jsonl(run_dir / name)
-            if (run_dir / MONITOR_STATE).exists():
-                read_json(run_dir / MONITOR_STATE, "monitor state")
-            print(f"resuming {run_dir} " + (f"after step {ckpt.step}" if ckpt else "from step 0 (no checkpoint yet)"))
+        check_run_dir(cfg, resolved, run_dir)         # again: another run may have started meanwhile
+        ckpt = resume(cfg, run_dir) if cfg.resume else None
         if ckpt is not None and ckpt.step + 1 >= cfg.total_steps:
             print(f"{run_dir}: all {cfg.total_steps} steps are done; nothing to resume")
         else:
-            heads = make_heads(policy, cfg) if ckpt is None else None
+            if ckpt is None and heads is None:
+                heads = make_heads(policy, cfg)
             with local_ray(cfg.accelerator.ray_address):
-                _train(cfg, policy, heads, run_dir, ckpt, None if cfg.resume else resolved)
+                lost = _train(cfg, policy, heads, run_dir, ckpt, None if cfg.resume else resolved)
         plot_rl(run_dir)
     print(f"run directory {run_dir}\nfigures: {run_dir / 'acceptance_vs_entropy.png'}, "
           f"{run_dir / 'over_steps.png'}, {run_dir / 'rl_over_steps.png'}")
+    if lost is not None:
+        print(f"head co-trainer: {lost}")
+        if cfg.cotrainer_required:
+            raise CoTrainerLost(f"{lost}; pass cotrainer_required=false to accept a run without head refreshes")
     return run_dir
 
 
+def resume(cfg: RunConfig, run_dir: Path) -> Checkpoint | None:
+    """Back to the newest intact checkpoint, saying which ones were skipped and why, and which
+    logged steps are cut (they are redone)."""
+    ckpt, skipped = resume_checkpoint(run_dir)
+    for line in skipped:
+        logger.warning("resume: skipping checkpoint %s", line)
+    dropped = rewind_run_dir(run_dir, ckpt, cfg.accelerator.cotrainer.checkpoint_dir)
+    for name in LOGS:                           # damaged before the checkpoint: say which file, now
+        read_jsonl(run_dir / name)
+    if (run_dir / MONITOR_STATE).exists():
+        read_json(run_dir / MONITOR_STATE, "monitor state")
+    where = f"after step {ckpt.step} ({ckpt.path.relative_to(run_dir)})" if ckpt else \
+        "from step 0 (" + ("no intact checkpoint" if skipped else "no checkpoint yet") + ")"
+    lines = [f"resuming {run_dir} {where}"]
+    lines += [f"  skipped checkpoint {line}" for line in skipped]
+    if dropped:
+        which = f"step {dropped[0]}" if len(dropped) == 1 else f"steps {dropped[0]}..{dropped[-1]}"
+        lines.append(f"  cut {len(dropped)} logged step{'s' if len(dropped) > 1 else ''} ({which}) from "
+                     f"{' and '.join(LOGS)}: {'they are' if len(dropped) > 1 else 'it is'} run again")
+    print("\n".join(lines))
+    return ckpt
+
+
 def _train(cfg: RunConfig, policy: Policy, heads: MTPHeads | None, run_dir: Path, ckpt: Checkpoint | None,
-           resolved) -> None:
+           resolved) -> str | None:
     """The driver loop, from step 0 or from the step after `ckpt`. A fresh run's config.yaml is
-    written once the actors are up: a run that failed to start leaves no run behind."""
+    written once the actors are up: a run that failed to start leaves no run behind. Returns what
+    happened to a head co-trainer that died for good (cotrainer_lost), else None."""
     steps = cfg.total_steps
     trainer = GRPOTrainer(policy.model, cfg.grpo, steps)
     source = TaskSource(cfg.tasks)
@@ -257,7 +325,8 @@ def _train(cfg: RunConfig, policy: Policy, heads: MTPHeads | None, run_dir: Path
     if cotrainer_state is not None and accel.cotrainer is not None:
         ray.get(accel.cotrainer.load_state.remote(cotrainer_state))
     if resolved is not None:
-        write_resolved(resolved, run_dir)
+        write_resolved(run_dir_relative(resolved), run_dir)
+    lost_at = None
     prefetch = Prefetcher(lambda step: rollouts(accel, source, policy, cfg, step))
     t_start = time.perf_counter()
     try:
@@ -298,19 +367,34 @@ def _train(cfg: RunConfig, policy: Policy, heads: MTPHeads | None, run_dir: Path
                 log.write(json.dumps(row) + "\n")
                 log.flush()
                 if checkpoint:
-                    _checkpoint(run_dir, step, trainer, previous, accel, cotrainer_ref)
+                    _checkpoint(run_dir, step, trainer, previous, accel, cotrainer_ref, cfg.keep_checkpoints)
+                if lost_at is None and cotrainer_lost(cfg, accel):
+                    lost_at = step
+                    logger.error("step %d: the head co-trainer is gone for good; the heads stay at version %d",
+                                 step, accel.head_version)
                 bar.set_postfix(reward=_fmt(row["reward"]), H=_fmt(rec.get("entropy_drafted")),
                                 acc=_fmt(rec.get("acceptance_rate")), tau=_fmt(rec.get("acceptance_length")),
                                 slope=_fmt((rec.get("slope_step_run") or {}).get("slope")),
                                 **{k: _fmt(v) for k, v in evaluation.items()})
+        head_version = accel.head_version
     finally:
         prefetch.close()
         accel.shutdown()
     print(f"steps {start}..{steps - 1} finished in {time.perf_counter() - t_start:.0f}s")
+    if lost_at is None:
+        return None
+    return (f"gone since step {lost_at}: it died and its accelerator.cotrainer.max_restarts="
+            f"{cfg.accelerator.cotrainer.max_restarts} restarts were used up, so the heads stayed at version "
+            f"{head_version} (its errors are in {run_dir / 'monitor.jsonl'})")
+
+
+def cotrainer_lost(cfg: RunConfig, accel: RolloutAccelerator) -> bool:
+    """The run has a co-trainer and it is dead beyond its restarts (the facade drops its handle then)."""
+    return cfg.accelerator.cotrainer.enabled and accel.cotrainer is None
 
 
 def _checkpoint(run_dir: Path, step: int, trainer: GRPOTrainer, previous: dict, accel: RolloutAccelerator,
-                cotrainer_ref) -> None:
+                cotrainer_ref, keep: int) -> None:
     """After step `step`: apply the co-trainer's decision on this step (its state was asked for
     right after end_step, so it matches), then save everything a resume needs. A refresh still
     training after CHECKPOINT_WAIT_S is not waited for: the checkpoint then holds the heads in use
@@ -326,7 +410,7 @@ def _checkpoint(run_dir: Path, step: int, trainer: GRPOTrainer, previous: dict, 
     heads, head_version = accel.current_heads()
     save_checkpoint(run_dir, step, trained=trainer.trained_weights(), previous=previous,
                     optimizer=trainer.optimizer.state_dict(), heads=heads, head_version=head_version,
-                    cotrainer=cotrainer)
+                    cotrainer=cotrainer, keep=keep)
 
 
 def plot_rl(run_dir: Path) -> Path:
@@ -365,7 +449,11 @@ def with_default_config(argv: list[str]) -> list[str]:
     kv = dict(a.split("=", 1) for a in argv)
     saved = Path(kv.get("out_dir", "")) / "config.yaml"
     if kv.get("resume", "").lower() in ("true", "1", "yes") and "out_dir" in kv and saved.is_file():
-        return [str(saved), *argv]
+        try:      # a config.yaml written with absolute paths inside its run directory: they follow out_dir
+            moved = inside_run_dir(saved.read_text(encoding="utf-8"))
+        except Exception:  # noqa: BLE001 - a damaged file is named by the config checks that follow
+            moved = {}
+        return [str(saved), *(f"{k}={v}" for k, v in moved.items()), *argv]
     return [str(DEFAULT_CONFIG), *argv]
 
 

@@ -33,6 +33,7 @@ from rollout.accelerator import AcceleratorConfig, RolloutAccelerator
 from rollout.config_loader import config_help, load_config, packaged_config, wants_help, write_resolved
 from rollout.fileio import atomic_write
 from rollout.monitor import MonitorConfig
+from rollout.ray_guard import local_ray
 from rollout.types import SamplingParams
 from rollout.workers import WorkerConfig
 from trainers.rl_policy import load_rl_policy
@@ -84,11 +85,14 @@ def main(argv: list[str] | None = None) -> dict | None:
         print(config_help(BenchCotrainerConfig, usage=USAGE, argv=layers), end="")
         return None
     args, resolved = load_config(BenchCotrainerConfig, layers)
-    if args.ray_address is None:
-        ray.init(num_cpus=max(2, math.ceil(args.worker_cpus + args.cotrainer_cpus)), include_dashboard=False,
-                 log_to_driver=False)
-    else:
-        ray.init(address=args.ray_address, include_dashboard=False)
+    sized = {} if args.ray_address is not None else {
+        "num_cpus": max(2, math.ceil(args.worker_cpus + args.cotrainer_cpus)), "log_to_driver": False}
+    with local_ray(args.ray_address, **sized):       # a local Ray is guarded and on loopback (rollout.ray_guard)
+        return _bench(args, resolved)
+
+
+def _bench(args: BenchCotrainerConfig, resolved) -> dict:
+    """The interleaved off/on rounds on a started Ray; the result as printed and written."""
     load0 = os.getloadavg()
     t0 = time.perf_counter()
     policy, prompts = build_models(args)
@@ -133,7 +137,6 @@ def main(argv: list[str] | None = None) -> dict | None:
         stats = accel.generate(prompts, sampling).spec_stats()
     finally:
         accel.shutdown()
-        ray.shutdown()
     result = {
         "model": args.model, "heads": args.heads,
         "prompts": args.prompts,

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 from rollout.config_loader import config_help, load_config, packaged_config, wants_help
 from rollout.models.loaders import DEFAULT_MODEL
+from rollout.models.tokenizer import check_text
 from rollout.types import DRAFT_MODES, SamplingParams
 
 DEFAULT_CONFIG = packaged_config("generate")
@@ -55,6 +56,8 @@ class GenerateJobConfig:
             raise ValueError(f"draft_mode must be one of {DRAFT_MODES}, got {self.draft_mode!r}")
         if self.num_depths is not None and self.num_depths < 1:
             raise ValueError(f"num_depths must be >= 1 (or null), got {self.num_depths}")
+        for i, prompt in enumerate(self.prompts):
+            check_text(prompt, f"prompts[{i}]")
         try:                             # bad values fail before the model loads, named as keys
             self.sampling().validate()
         except ValueError as e:
@@ -84,7 +87,7 @@ def flags_to_overrides(argv: list[str], used: dict[str, str] | None = None) -> l
             value, i = argv[i + 1], i + 1
         i += 1
         if flag == "--prompt":
-            prompts.append(value)
+            prompts.append(check_text(value, f"--prompt {len(prompts) + 1}"))
             used["prompts"] = flag
         elif flag in FLAGS:
             key = FLAGS[flag]

@@ -86,6 +86,16 @@ class GenerateConfig:
     task_fraction: float = 0.0          # share of prompts taken from `task_prompts` (passed in by the caller)
     seed: int = 0                       # sampling seed
 
+    def __post_init__(self) -> None:
+        """Values that would only fail after the model loads, named by their key in train-heads."""
+        for name in ("num_sequences", "num_eval_sequences", "max_new_tokens", "gen_batch_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"data.generate.{name} must be >= 1, got {getattr(self, name)}")
+        if not 0 <= self.temperature < float("inf"):
+            raise ValueError(f"data.generate.temperature must be finite and >= 0, got {self.temperature}")
+        if not 0 <= self.task_fraction <= 1:
+            raise ValueError(f"data.generate.task_fraction must be in [0, 1], got {self.task_fraction}")
+
 
 def prompt_texts(n: int, *, held_out: bool, task_prompts: Sequence[str] = (),
                  task_fraction: float = 0.0) -> list[str]:

@@ -38,6 +38,7 @@ from rollout.config_loader import CONFIGS_DIR, config_help, load_config, package
 from rollout.fileio import atomic_write
 from rollout.models.default_model import cache_dir
 from rollout.run_dir import check_writable
+from rollout.types import MAX_DRAFT_TOKENS
 
 
 
@@ -66,6 +67,19 @@ class EvalConfig:
     speedup_prompts: int = 0            # batch-1 plain vs speculative decode prompts (0 = skip)
     heldout_sources: list[str] = field(default_factory=list)   # also score each of these store sources' held-out split on its own
     at_start: bool = False              # also score the initial heads (step 0): the curve's start when fine-tuning
+
+    def __post_init__(self) -> None:
+        """Refused before the model loads and training starts (a bad value used to fail after it)."""
+        if not 1 <= self.steps <= MAX_DRAFT_TOKENS:
+            raise ValueError(f"eval.steps (draft positions scored) must be in 1..{MAX_DRAFT_TOKENS}, got {self.steps}")
+        if not self.temperatures or not all(0 < t < float("inf") for t in self.temperatures):
+            raise ValueError(f"eval.temperatures must list temperatures > 0, got {list(self.temperatures)}")
+        if self.heldout_sequences < 1 or self.max_seq_len < 2:
+            raise ValueError(f"need eval.heldout_sequences >= 1 and eval.max_seq_len >= 2, got "
+                             f"{self.heldout_sequences}, {self.max_seq_len}")
+        for name in ("train_sequences", "engine_prompts", "engine_new_tokens", "speedup_prompts"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"eval.{name} must be >= 0, got {getattr(self, name)}")
 
 
 @dataclass(frozen=True)
@@ -130,20 +144,25 @@ def open_data(cfg: TrainHeadsConfig, policy, encode, progress: bool):
                          "train_sequences": len(train), "heldout_sequences": len(held)}
 
 
+EVAL_SET_FORMAT = 2     # EvalSet.to_state (format 1 pickled DistillBatch objects)
+
+
 def cached_eval_set(policy, source, ev: EvalConfig, n: int, key: dict) -> EvalSet:
     """EvalSet.build, reused across runs on the same data (the full-vocabulary normaliser is the
     expensive part): $MTP_ROLLOUT_CACHE/eval_sets/<hash of data, sequences, settings>.pt."""
-    blob = json.dumps({"key": key, "n": min(n, len(source)), "len": ev.max_seq_len, "T": ev.temperatures,
-                       "policy": policy.config.fingerprint(), "lengths": [len(source[i].tokens) for i in
-                                                                          range(min(n, len(source)))]},
+    n = min(n, len(source))
+    blob = json.dumps({"format": EVAL_SET_FORMAT, "key": key, "n": n, "len": ev.max_seq_len, "T": ev.temperatures,
+                       "policy": policy.config.fingerprint(), "lengths": [len(source[i].tokens) for i in range(n)]},
                       sort_keys=True, default=str)
     path = cache_dir() / "eval_sets" / f"{hashlib.sha256(blob.encode()).hexdigest()[:20]}.pt"
     if path.is_file():
-        raw = torch.load(path, weights_only=False)
-        return EvalSet(raw["batches"], raw["lse"])
+        try:      # weights_only: a cache file is data, never code; an unreadable one is rebuilt
+            return EvalSet.from_state(torch.load(path, map_location=policy.lm_head_weight.device, weights_only=True))
+        except Exception as e:  # noqa: BLE001 - any failure means: build it again
+            print(f"train-heads: rebuilding the evaluation set, {path} is unreadable ({type(e).__name__})", flush=True)
     es = EvalSet.build(policy, source, ev.temperatures, max_sequences=n, max_seq_len=ev.max_seq_len)
     buf = io.BytesIO()
-    torch.save({"batches": es.batches, "lse": es.lse}, buf)
+    torch.save(es.to_state(), buf)
     atomic_write(path, buf.getvalue())
     return es
 

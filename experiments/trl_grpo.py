@@ -12,6 +12,11 @@ trained layers after each optimizer step and writes the monitor's record of each
 The run directory gets config.yaml, the monitor's files and figures, trl_log.jsonl (TRL's
 logged rows) and summary.json; with compare_without_speculation=true a second run with the
 same settings but k=0 goes to <out_dir>/no_spec and both are printed side by side.
+
+A killed or interrupted run continues with `out_dir=<dir> resume=true` from its last checkpoint
+(<out_dir>/trl/checkpoint-<step>, every checkpoint_every steps: TRL's own checkpoint plus the
+rollout side, rollout.integrations.trl.ROLLOUT_STATE); the monitor log is cut back to it, so every
+step is logged once. A local Ray is guarded and listens on loopback only (rollout.ray_guard).
 """
 from __future__ import annotations
 
@@ -19,22 +24,25 @@ import dataclasses
 import json
 import logging
 import os
+import shutil
 import sys
 import time
 from pathlib import Path
 
 import numpy as np
-import ray
 import torch
+import yaml
 
-from mtp_heads.heads import MTPHeads
+from mtp_heads.heads import MTPHeads, heads_from_flat
 from mtp_heads.shipped import check_heads_spec, resolve_heads
 from rollout.accelerator import AcceleratorConfig, RolloutAccelerator
-from rollout.config_loader import packaged_config, preset_main, wants_help, write_resolved
+from rollout.config_loader import RESOLVED_NAME, packaged_config, preset_main, wants_help, write_resolved
 from rollout.models.decoder import CausalLM
-from rollout.models.default_model import cache_dir
-from rollout.models.loaders import LoadedModel, export_hf_dir, load_policy
+from rollout.models.flat_weights import pack
+from rollout.models.loaders import load_policy
 from rollout.monitor import AcceptanceMonitor
+from rollout.ray_guard import local_ray
+from rollout.run_dir import RunLock
 from rollout.types import DRAFT_MODES
 from trainers.config import run_dir_accelerator
 from trainers.tasks import REASONING_GYM, TaskConfig, TaskSource
@@ -81,8 +89,13 @@ class TRLRunConfig:
     compare_without_speculation: bool = False   # then a second run, k=0, same settings, in <out_dir>/no_spec
     trainer_threads: int = 1            # torch threads of TRL's update in the driver
     seed: int = 0
+    checkpoint_every: int = 5           # optimizer steps between checkpoints in <out_dir>/trl/ (and after the
+                                        # last); 0 = none
+    resume: bool = False                # continue out_dir's run from its last checkpoint
 
     def __post_init__(self) -> None:
+        if self.checkpoint_every < 0:
+            raise ValueError(f"checkpoint_every must be >= 0, got {self.checkpoint_every}")
         if self.draft_mode not in DRAFT_MODES:
             raise ValueError(f"draft_mode must be one of {DRAFT_MODES}, got {self.draft_mode!r}")
         check_heads_spec("heads", self.heads)
@@ -94,30 +107,9 @@ class TRLRunConfig:
 # ------------------------------------------------------------------------------ setup
 
 
-def hf_export(cfg: TRLRunConfig, loaded: LoadedModel) -> Path:
-    """The HF directory TRL loads: the model itself if it is one, else our export of it (cached)."""
-    if Path(cfg.accelerator.model).is_dir():
-        return Path(cfg.accelerator.model)
-    out = Path(cfg.hf_dir) if cfg.hf_dir else cache_dir() / "hf" / Path(str(cfg.accelerator.model)).stem
-    if not (out / "config.json").is_file():
-        logger.info("exporting %s to %s", loaded.source, out)
-        export_hf_dir(loaded, out, overwrite=out.exists())
-    return out
-
-
-def make_heads(cfg: TRLRunConfig, policy: CausalLM, loaded: LoadedModel) -> MTPHeads:
+def make_heads(cfg: TRLRunConfig, policy: CausalLM) -> MTPHeads:
     acc = cfg.accelerator
     return resolve_heads(policy, cfg.heads, model=acc.model, num_depths=acc.num_depths, seed=cfg.seed)[0]
-
-
-def freeze_all_but_last(model: torch.nn.Module, n_layers: int) -> list[str]:
-    """requires_grad only on the last n decoder layers and the final norm (-1: everything); the
-    trainable names, which are also what each sync sends."""
-    total = model.config.num_hidden_layers
-    keep = [f"model.layers.{i}." for i in range(0 if n_layers == -1 else total - n_layers, total)] + ["model.norm."]
-    for name, p in model.named_parameters():
-        p.requires_grad_(n_layers == -1 or name.startswith(tuple(keep)))
-    return [n for n, p in model.named_parameters() if p.requires_grad]
 
 
 def task_data(cfg: TRLRunConfig):
@@ -142,32 +134,46 @@ def task_data(cfg: TRLRunConfig):
 
 def train(cfg: TRLRunConfig, run_dir: Path, hf_dir: Path, policy: CausalLM, heads: MTPHeads | None,
           num_draft_tokens: int) -> dict:
-    """One TRL GRPO run; returns its summary (also written to <run_dir>/summary.json)."""
+    """One TRL GRPO run, from its last checkpoint when out_dir holds one (resume=true); returns its
+    summary (also written to <run_dir>/summary.json)."""
     import transformers
     from trl import GRPOConfig, GRPOTrainer
 
-    from rollout.integrations.trl import TRLRollout
+    from rollout.integrations.trl import (TRLRollout, latest_checkpoint, read_rollout_state, restore_run_files,
+                                          train_last_layers)
 
+    if cfg.resume and (run_dir / "summary.json").is_file():
+        print(f"{run_dir}: all {cfg.trl.max_steps} steps are done; nothing to resume")
+        return json.loads((run_dir / "summary.json").read_text())
     t = cfg.trl
-    acc_cfg = dataclasses.replace(cfg.accelerator, monitor=dataclasses.replace(cfg.accelerator.monitor,
-                                                                             out_dir=str(run_dir)))
+    acc_cfg = sub_run_accelerator(cfg, run_dir)
+    ckpt = latest_checkpoint(run_dir / "trl") if cfg.resume else None
+    saved = read_rollout_state(ckpt) if ckpt is not None else None
+    versions = {}
+    if cfg.resume:              # monitor files back to the checkpoint (or to nothing), co-trainer files off
+        restore_run_files(saved, run_dir, acc_cfg.cotrainer.checkpoint_dir)
+        print(f"resuming {run_dir} " + (f"after step {saved['global_step'] - 1}" if saved else "from step 0"))
+    if saved is not None:       # the heads the workers ran at the checkpoint
+        heads = heads_from_flat(policy.config, acc_cfg.num_depths, pack(saved["heads"]), "float32")
+        versions = {"policy_version": int(saved["global_step"]), "head_version": int(saved["head_version"])}
     model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
-    freeze_all_but_last(model, t.train_last_layers)
+    train_last_layers(model, t.train_last_layers)
     args = GRPOConfig(
         output_dir=str(run_dir / "trl"), max_steps=t.max_steps, per_device_train_batch_size=t.prompts_per_step
         * t.num_generations, num_generations=t.num_generations, learning_rate=t.learning_rate,
         max_completion_length=t.max_completion_length, temperature=t.temperature, beta=t.beta, loss_type=t.loss_type,
-        entropy_coef=t.entropy_coef, shuffle_dataset=False, logging_steps=1, save_strategy="no", report_to="none",
+        entropy_coef=t.entropy_coef, shuffle_dataset=False, logging_steps=1, report_to="none",
+        save_strategy="steps" if cfg.checkpoint_every else "no", save_steps=max(cfg.checkpoint_every, 1),
         use_cpu=True, bf16=False, seed=cfg.seed, disable_tqdm=True, dataloader_num_workers=0)
     t0 = time.perf_counter()
-    accel = RolloutAccelerator.from_config(acc_cfg, policy=policy, heads=heads)
+    accel = RolloutAccelerator.from_config(acc_cfg, policy=policy, heads=heads, **versions)
     try:
         rollout = TRLRollout(accel, num_draft_tokens=num_draft_tokens, draft_mode=cfg.draft_mode, seed=cfg.seed)
         dataset, reward = task_data(cfg)
         trainer = GRPOTrainer(model=model, reward_funcs=[reward], args=args,
                               processing_class=transformers.AutoTokenizer.from_pretrained(hf_dir),
-                              train_dataset=dataset, rollout_func=rollout, callbacks=[rollout])
-        trainer.train()
+                              train_dataset=dataset, rollout_func=rollout, callbacks=[rollout, keep_latest_checkpoint()])
+        trainer.train(resume_from_checkpoint=str(ckpt) if ckpt is not None else None)
     finally:
         accel.shutdown()                                  # closes the monitor: CSV and figures
     wall = time.perf_counter() - t0
@@ -175,6 +181,35 @@ def train(cfg: TRLRunConfig, run_dir: Path, hf_dir: Path, policy: CausalLM, head
         for row in trainer.state.log_history:
             f.write(json.dumps(row) + "\n")
     return summarize(run_dir, num_draft_tokens, wall)
+
+
+def sub_run_accelerator(cfg: TRLRunConfig, run_dir: Path) -> AcceleratorConfig:
+    """The accelerator of the run in run_dir: its monitor there, and the comparison run's co-trainer
+    in its own folder (it must not resume from the first run's heads)."""
+    acc = cfg.accelerator
+    cot = acc.cotrainer
+    if cot.checkpoint_dir and run_dir != Path(cfg.out_dir):
+        cot = dataclasses.replace(cot, checkpoint_dir=str(run_dir / "cotrainer"))
+    return dataclasses.replace(acc, cotrainer=cot, monitor=dataclasses.replace(acc.monitor, out_dir=str(run_dir)))
+
+
+def keep_latest_checkpoint():
+    """A TrainerCallback, listed after TRLRollout, that deletes older checkpoint-<step> folders once
+    the newest holds the rollout side as well (TRL's save_total_limit would delete them first)."""
+    from transformers import TrainerCallback
+
+    from rollout.integrations.trl import ROLLOUT_STATE, checkpoint_dir
+
+    class KeepLatestCheckpoint(TrainerCallback):
+        def on_save(self, args, state, control, **kwargs):
+            newest = checkpoint_dir(args, state.global_step)
+            if (newest / ROLLOUT_STATE).is_file():
+                for old in Path(args.output_dir).glob("checkpoint-*"):
+                    if old != newest:
+                        shutil.rmtree(old, ignore_errors=True)
+            return control
+
+    return KeepLatestCheckpoint()
 
 
 def summarize(run_dir: Path, k: int, wall_s: float) -> dict:
@@ -213,41 +248,87 @@ def report(runs: list[dict]) -> str:
     return "\n".join(lines)
 
 
+RESUME_FREE_KEYS = ("resume", "checkpoint_every", "trainer_threads")   # may differ in a resumed run
+
+
+def holds_run(run_dir: Path) -> list[str]:
+    """What makes out_dir a run's directory."""
+    return [n for n in (RESOLVED_NAME, "trl", AcceptanceMonitor.JSONL) if (run_dir / n).exists()]
+
+
+def _flat(node, prefix: str = ""):
+    for k, v in (node or {}).items():
+        if isinstance(v, dict):
+            yield from _flat(v, f"{prefix}{k}.")
+        else:
+            yield f"{prefix}{k}", v
+
+
+def check_resume(resolved: str, run_dir: Path) -> None:
+    """A resumed run must be the same run: the same config but for RESUME_FREE_KEYS."""
+    saved_path = run_dir / RESOLVED_NAME
+    if not saved_path.is_file():
+        raise ValueError(f"resume=true but out_dir {run_dir} holds no run to resume (no {RESOLVED_NAME})")
+    try:
+        saved = dict(_flat(yaml.safe_load(saved_path.read_text(encoding="utf-8"))))
+    except (OSError, yaml.YAMLError) as e:
+        raise ValueError(f"{saved_path} is not a readable config ({e})") from None
+    now = dict(_flat(yaml.safe_load(resolved)))
+    diff = [f"{k}: {saved.get(k)!r} -> {now.get(k)!r}" for k in sorted(set(saved) | set(now))
+            if k not in RESUME_FREE_KEYS and saved.get(k) != now.get(k)]
+    if diff:
+        raise ValueError(f"resume=true with another config than {saved_path}: {'; '.join(diff)[:800]}. Resume with "
+                         f"the same settings (only {', '.join(RESUME_FREE_KEYS)} may change)")
+
+
 def run(cfg: TRLRunConfig, resolved: str) -> list[dict]:
+    from rollout.integrations.trl import hf_model_dir
+
     run_dir = Path(cfg.out_dir)
-    if (run_dir / "monitor.jsonl").exists():
-        raise ValueError(f"{run_dir} already holds a run; pass another out_dir=...")
     if cfg.tasks.source != REASONING_GYM:                # imports and calls the user's function, before any file
         TaskSource(cfg.tasks)
-    write_resolved(resolved, run_dir)
-    torch.manual_seed(cfg.seed)
-    torch.set_num_threads(cfg.trainer_threads)
-    os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
-    policy, loaded = load_policy(cfg.accelerator.model, "float32")
-    hf_dir = hf_export(cfg, loaded)
-    heads = make_heads(cfg, policy, loaded)
-    owns_ray = not ray.is_initialized()
-    if owns_ray:                                          # one Ray for both runs
-        ray.init(address=cfg.accelerator.ray_address, include_dashboard=False)
-    try:
-        runs = [train(cfg, run_dir, hf_dir, policy, heads, cfg.num_draft_tokens)]
-        if cfg.compare_without_speculation:
-            runs.append(train(cfg, run_dir / "no_spec", hf_dir, policy, heads, 0))
-    finally:
-        if owns_ray:
-            ray.shutdown()
+    with RunLock(run_dir):
+        if cfg.resume:
+            check_resume(resolved, run_dir)
+        elif holds_run(run_dir):
+            raise ValueError(f"out_dir {run_dir} already holds a run ({', '.join(holds_run(run_dir))}); resume it "
+                             f"with `mtp-rollout trl-grpo out_dir={run_dir} resume=true`, or pass another out_dir=...")
+        else:
+            write_resolved(resolved, run_dir)
+        torch.manual_seed(cfg.seed)
+        torch.set_num_threads(cfg.trainer_threads)
+        os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+        policy, _ = load_policy(cfg.accelerator.model, "float32")
+        hf_dir = hf_model_dir(cfg.accelerator.model, cfg.hf_dir or None)
+        heads = make_heads(cfg, policy)
+        with local_ray(cfg.accelerator.ray_address):      # one Ray for both runs; guarded, loopback only
+            runs = [train(cfg, run_dir, hf_dir, policy, heads, cfg.num_draft_tokens)]
+            if cfg.compare_without_speculation:
+                runs.append(train(cfg, run_dir / "no_spec", hf_dir, policy, heads, 0))
     print(report(runs))
     print(f"figures: {run_dir / AcceptanceMonitor.PNG_SCATTER}, {run_dir / AcceptanceMonitor.PNG_STEPS}")
     return runs
 
 
+def with_run_config(argv: list[str]) -> list[str]:
+    """`out_dir=<dir> resume=true` alone resumes with the run's own <dir>/config.yaml."""
+    if any("=" not in a for a in argv):
+        return list(argv)
+    kv = dict(a.split("=", 1) for a in argv)
+    saved = Path(kv.get("out_dir", "")) / RESOLVED_NAME
+    if kv.get("resume", "").lower() in ("true", "1", "yes") and "out_dir" in kv and saved.is_file():
+        return [str(saved), *argv]
+    return list(argv)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point (`mtp-rollout trl-grpo`): YAML files and key=value overrides; without a YAML
-    file configs/trl_grpo.yaml comes first."""
+    file configs/trl_grpo.yaml comes first (with `resume=true`, the run's own config.yaml)."""
     argv = sys.argv[1:] if argv is None else list(argv)
     if not wants_help(argv):
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    return preset_main(TRLRunConfig, DEFAULT_CONFIG, lambda cfg, resolved: run(cfg, resolved), argv, usage=USAGE)
+    return preset_main(TRLRunConfig, DEFAULT_CONFIG, lambda cfg, resolved: run(cfg, resolved), with_run_config(argv),
+                       usage=USAGE)
 
 
 if __name__ == "__main__":

@@ -8,6 +8,8 @@ metadata (authoritative) and in a sidecar ``<name>.json`` for people and shell t
 A checkpoint may also hold ``draft_vocab`` [N] int64: the token ids the heads may propose
 (q = 0 elsewhere, EAGLE-3's reduced draft vocabulary), the heads' own state-dict buffer.
 
+Loading refuses weights holding NaN or inf, naming the file and the tensor.
+
 Writes are atomic: each file goes to a temporary name in the same directory and is moved into
 place with os.replace, weights first, so a crash leaves the previous checkpoint readable.
 """
@@ -28,6 +30,7 @@ from mtp_heads.heads import MTPHeads
 from rollout.fileio import atomic_write
 from rollout.models.decoder import CausalLM
 from rollout.models.default_model import cache_dir
+from rollout.models.hf_loader import check_finite
 
 META_KEY = "mtp_rollout_heads"
 DRAFT_VOCAB_KEY = "draft_vocab"
@@ -151,14 +154,30 @@ def check_meta(meta: HeadMeta, policy: CausalLM, where: str | os.PathLike = "?")
                          f"{cfg.vocab_size}{fix}")
 
 
-def load_heads(path: str | os.PathLike, policy: CausalLM) -> tuple[MTPHeads, HeadMeta]:
-    """Heads for `policy` (its device and dtype) and their header; ValueError on any mismatch."""
-    meta = read_meta(path)
-    check_meta(meta, policy, path)
+def read_tensors(path: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """Every tensor of a head checkpoint, refusing NaN or inf (naming the file and the tensor): such
+    heads would load silently and then draft nothing, every round."""
     tensors: dict[str, torch.Tensor] = {}
     with safe_open(str(path), framework="pt") as f:
         for key in f.keys():
             tensors[key] = f.get_tensor(key)
+    check_finite(tensors, f"heads at {path}")
+    return tensors
+
+
+def check_heads_file(path: str | os.PathLike) -> HeadMeta:
+    """The header of a head checkpoint whose weights are all finite: a check that needs no policy,
+    for a command to run before it starts anything."""
+    meta = read_meta(path)
+    read_tensors(path)
+    return meta
+
+
+def load_heads(path: str | os.PathLike, policy: CausalLM) -> tuple[MTPHeads, HeadMeta]:
+    """Heads for `policy` (its device and dtype) and their header; ValueError on any mismatch."""
+    meta = read_meta(path)
+    check_meta(meta, policy, path)
+    tensors = read_tensors(path)
     vocab = tensors.pop(DRAFT_VOCAB_KEY, None)
     heads = MTPHeads(policy.config, meta.num_depths, meta.num_layers)
     missing, unexpected = heads.load_state_dict(tensors, strict=False)

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from mtp_heads.checkpoint import HeadMeta, load_heads, save_heads
-from mtp_heads.distill import DistillBatch, DraftVocabMap, batch_from_replay, check_objective, default_unroll_steps, \
+from mtp_heads.distill import OBJECTIVES, DistillBatch, DraftVocabMap, batch_from_replay, default_unroll_steps, \
     distill_loss
 from mtp_heads.heads import heads_from_flat
 from mtp_heads.refresh import REFRESH_POLICIES, StepObservation, build_refresh_policy
@@ -63,11 +63,31 @@ class CoTrainerConfig:
                                         # in float32); auto = bfloat16 where the hardware has it (3.5x faster there)
 
     def __post_init__(self) -> None:
+        """Every value is checked here, when the config is built: the actor that would otherwise
+        find it bad starts only after Ray, and its death would only cost the run its heads."""
         parse_dtype(self.policy_dtype)
+        if self.loss not in OBJECTIVES:
+            raise ValueError(f"cotrainer.loss={self.loss!r} is not a head loss; choose one of {sorted(OBJECTIVES)}")
         refresh = (self.refresh,) if isinstance(self.refresh, str) else tuple(self.refresh)
         bad = [r for r in refresh if r not in REFRESH_POLICIES]
         if bad:
             raise ValueError(f"cotrainer.refresh has unknown policies {bad}; choose from {sorted(REFRESH_POLICIES)}")
+        if not refresh:
+            raise ValueError(f"cotrainer.refresh is empty: name at least one of {sorted(REFRESH_POLICIES)}")
+        for make in REFRESH_POLICIES.values():      # each policy checks its own parameter, used or not
+            try:
+                make(self)
+            except ValueError as e:
+                raise ValueError(f"cotrainer.{e}") from None
+        for key in ("steps_per_refresh", "batch_tokens", "replay_capacity"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"cotrainer.{key} must be >= 1, got {getattr(self, key)}")
+        if not self.lr > 0:
+            raise ValueError(f"cotrainer.lr must be > 0, got {self.lr}")
+        if not self.temperature > 0:
+            raise ValueError(f"cotrainer.temperature must be > 0, got {self.temperature}")
+        if self.unroll_steps < 0:
+            raise ValueError(f"cotrainer.unroll_steps must be >= 0 (0 = max(depths, 3)), got {self.unroll_steps}")
         if self.num_cpus < 0 or self.num_gpus < 0:
             raise ValueError(f"cotrainer.num_cpus / num_gpus must be >= 0, got {self.num_cpus} / {self.num_gpus}")
         if self.max_restarts < 0:
@@ -100,9 +120,6 @@ class HeadCoTrainer:
     def __init__(self, config: CoTrainerConfig, policy_config: ModelConfig, policy_weights: FlatWeights,
                  policy_version: int, head_weights: FlatWeights, num_depths: int, head_version: int = 0, *,
                  seed: int = 0, num_threads: int | None = None, device: str = "cpu"):
-        check_objective(config.loss)
-        if config.steps_per_refresh < 1 or config.batch_tokens < 1 or config.replay_capacity < 1:
-            raise ValueError("steps_per_refresh, batch_tokens and replay_capacity must all be >= 1")
         if num_threads is not None:
             torch.set_num_threads(num_threads)   # match the actor's CPU share (oversubscribed is slower)
         self.config = config

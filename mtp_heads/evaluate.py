@@ -60,6 +60,16 @@ class EvalSet:
                 group, total = [], 0
         return cls(batches, lse)
 
+    def to_state(self) -> dict:
+        """Tensors in plain lists and dicts only, so that torch.load(weights_only=True) reads it back."""
+        return {"batches": [{"tokens": b.tokens, "hidden": b.hidden, "loss_mask": b.loss_mask} for b in self.batches],
+                "lse": {float(T): list(v) for T, v in self.lse.items()}}
+
+    @classmethod
+    def from_state(cls, state: dict) -> "EvalSet":
+        return cls([DistillBatch(b["tokens"], b["hidden"], b["loss_mask"]) for b in state["batches"]],
+                   {float(T): list(v) for T, v in state["lse"].items()})
+
     @property
     def temperatures(self) -> list[float]:
         return sorted(self.lse)

@@ -222,6 +222,21 @@ def save_training_checkpoint(path, heads: MTPHeads, opt: torch.optim.Optimizer, 
     atomic_write(train_state_path(path), buf.getvalue())
 
 
+def load_train_state(path: Path) -> dict:
+    """The optimizer state, step, config and history that save_training_checkpoint wrote. Read with
+    weights_only: the file may come from someone else, and a full unpickle would run any code in it."""
+    if not path.is_file():
+        raise ValueError(f"{path} is missing: it holds the optimizer state that resume needs; restart without resume")
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001 - torch's errors do not name the file
+        raise ValueError(f"{path} is not a readable train-heads state ({type(e).__name__}: "
+                         f"{' '.join(str(e).split())[:300]}); restart without resume") from None
+    if not isinstance(state, dict) or not {"step", "optimizer", "config"} <= state.keys():
+        raise ValueError(f"{path} is not a train-heads state (no step, optimizer and config); restart without resume")
+    return state
+
+
 # ----------------------------------------------------------------------------------- training
 
 
@@ -255,7 +270,7 @@ def train_heads(policy: CausalLM, data, cfg: TrainConfig, *, draft_vocab: torch.
         if checkpoint is None or not Path(checkpoint).is_file():
             raise ValueError(f"resume needs an existing checkpoint; {checkpoint} does not exist")
         heads, meta = load_heads(checkpoint, policy)
-        state = torch.load(train_state_path(checkpoint), weights_only=False)
+        state = load_train_state(train_state_path(checkpoint))
         if state["step"] != meta.steps or state["config"] != asdict(cfg):
             raise ValueError(f"{train_state_path(checkpoint)} (step {state['step']}) does not belong to "
                              f"{checkpoint} (step {meta.steps}) or the config differs; restart without resume")

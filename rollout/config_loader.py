@@ -19,6 +19,7 @@ import importlib.util
 import inspect
 import io
 import json
+import re
 import textwrap
 import tokenize
 import typing
@@ -27,10 +28,12 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, TypeVar
 
-from omegaconf import DictConfig, OmegaConf
+import yaml
+from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
 from rollout.fileio import atomic_write
+from rollout.models.tokenizer import check_text
 
 T = TypeVar("T")
 
@@ -87,6 +90,38 @@ def _as_value_error(e: Exception, where: str, layer: DictConfig | None, cls: typ
     return ValueError(f"{where}: bad value {value} for config key {key!r}: {first}")
 
 
+def parse_override(arg: str) -> DictConfig:
+    """One `key=value` override as a config layer. A missing or malformed key, bytes that are not
+    UTF-8 and a value YAML cannot read fail here, naming the override, rather than as a key '?'."""
+    key, _, value = arg.partition("=")
+    if not key.strip():
+        raise ValueError(f"override {arg!r} has no key before '=': write key=value (e.g. steps=5)")
+    if any(not part or re.search(r"\s", part) for part in key.split(".")):
+        raise ValueError(f"override {arg!r}: {key!r} is not a config key (dotted names such as grpo.lr, "
+                         "written key=value)")
+    check_text(value, f"the value of config key {key} (command line)")
+    try:
+        return OmegaConf.from_dotlist([arg])
+    except yaml.YAMLError as e:
+        raise ValueError(f"override {arg!r}: {value!r} is not a YAML value ({_one_line(e)})") from None
+
+
+def load_yaml_file(path: str) -> DictConfig | ListConfig:
+    """A YAML config file, with errors that name it (and the byte position of bytes that are not UTF-8)."""
+    try:
+        return OmegaConf.load(path)
+    except UnicodeDecodeError as e:
+        line = e.object.count(b"\n", 0, e.start) + 1
+        raise ValueError(f"{path} is not valid UTF-8 text: byte 0x{e.object[e.start]:02x} at byte position "
+                         f"{e.start} (line {line})") from None
+    except yaml.YAMLError as e:
+        raise ValueError(f"{path} is not valid YAML: {_one_line(e)}") from None
+
+
+def _one_line(e: Exception) -> str:
+    return " ".join(str(e).split()) or type(e).__name__
+
+
 def merge_layers(cls: type, argv: list[str]) -> DictConfig:
     """The schema `cls` with argv's YAML files and overrides merged in, left to right, unresolved and
     not yet validated (load_config validates; config_help shows these values as the defaults)."""
@@ -95,11 +130,11 @@ def merge_layers(cls: type, argv: list[str]) -> DictConfig:
         if arg in HELP_FLAGS:
             raise ValueError(f"{arg} is not a config; print config_help({cls.__name__}) instead")
         if "=" in arg:
-            layer, where = OmegaConf.from_dotlist([arg]), f"override {arg!r}"
+            layer, where = parse_override(arg), f"override {arg!r}"
         else:
             if not Path(arg).is_file():
                 raise ValueError(f"{arg!r} is neither a YAML file nor a key=value override")
-            layer, where = OmegaConf.load(arg), arg
+            layer, where = load_yaml_file(arg), arg
             if not isinstance(layer, DictConfig):
                 raise ValueError(f"{arg}: a config file must hold a mapping of keys, not {type(layer).__name__}")
         try:

@@ -48,10 +48,7 @@ class RunLock:
         except BlockingIOError:
             holder = _read_holder(fd)
             os.close(fd)
-            who = f"pid {holder.get('pid')} on {holder.get('host')}, started {holder.get('started')}" if holder \
-                else "another process"
-            raise RunDirBusy(f"out_dir {self.out_dir} is in use by {who}: one run per directory. "
-                             "Wait for it to finish, or pass another out_dir=...") from None
+            raise _busy(self.out_dir, holder) from None
         stale = _read_holder(fd)
         if stale:
             self.took_over = stale
@@ -86,6 +83,30 @@ class RunLock:
 
     def __exit__(self, *exc) -> None:
         self.release()
+
+
+def check_not_busy(out_dir: str | os.PathLike) -> None:
+    """Raise RunDirBusy now if a live process holds out_dir's lock; creates and writes nothing, so
+    checks that run before a job takes its lock can refuse a busy directory first."""
+    path = Path(out_dir) / LOCK_NAME
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return                          # no lock file (or none readable): acquire() decides
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        fcntl.flock(fd, fcntl.LOCK_UN)
+    except BlockingIOError:
+        raise _busy(Path(out_dir), _read_holder(fd)) from None
+    finally:
+        os.close(fd)
+
+
+def _busy(out_dir: Path, holder: dict) -> RunDirBusy:
+    who = f"pid {holder.get('pid')} on {holder.get('host')}, started {holder.get('started')}" if holder \
+        else "another process"
+    return RunDirBusy(f"out_dir {out_dir} is in use by {who}: one run per directory. "
+                      "Wait for it to finish, or pass another out_dir=...")
 
 
 def _read_holder(fd: int) -> dict:

@@ -292,6 +292,35 @@ def test_train_heads_cli_exits_0_after_a_real_run(policy, data, held_out, tmp_pa
     assert "held-out:" in capsys.readouterr().out
 
 
+def test_train_heads_refuses_eval_steps_0_before_training(policy, data, held_out, tmp_path, monkeypatch, capsys):
+    """eval.steps=0 used to train, write the heads and then exit 1 with an IndexError."""
+    import experiments.pretrain_heads as job
+    import rollout.models.loaders as loaders
+    from experiments import cli
+    from rollout.models.loaders import LoadedModel
+    monkeypatch.setenv("MTP_ROLLOUT_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(loaders, "load_model",
+                        lambda spec: LoadedModel(policy.config, policy.state_dict(), None, None, spec))
+    monkeypatch.setattr(job, "open_data", lambda cfg, policy, loaded, progress: (data, held_out, {"tiny": True}))
+    out = tmp_path / "h"
+    assert cli.main(["train-heads", "model=tiny", f"out_dir={out}", "progress=false", "train.batch_tokens=160",
+                     "train.max_seq_len=64", "train.draft_vocab_size=16", "train.unroll_steps=2",
+                     "train.phases=[{objective: tv, steps: 2}]", "eval.heldout_sequences=4", "eval.train_sequences=0",
+                     "eval.steps=0"]) == 2
+    err = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("mtp-rollout")]
+    assert len(err) == 1 and "eval.steps" in err[0] and "got 0" in err[0], err
+    assert not out.exists()                      # nothing trained, nothing written
+
+
+def test_train_heads_names_data_generate_num_sequences_0(tmp_path, monkeypatch, capsys):
+    from experiments import cli
+    monkeypatch.setenv("MTP_ROLLOUT_CACHE", str(tmp_path / "cache"))
+    assert cli.main(["train-heads", "model=tiny-random", f"out_dir={tmp_path / 'h'}", "progress=false",
+                     "data.generate.num_sequences=0"]) == 2
+    err = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("mtp-rollout")]
+    assert len(err) == 1 and "data.generate.num_sequences must be >= 1, got 0" in err[0], err
+
+
 def test_shipped_heads_load_without_training(policy, tmp_path, monkeypatch):
     import mtp_heads.shipped as shipped
     from mtp_heads.checkpoint import HeadMeta, save_heads

@@ -1,9 +1,16 @@
 """TRL's GRPOTrainer with the accelerator as its rollout function, on a tiny llama exported by
 our own exporter (CPU, local Ray): what TRL trains on is what the accelerator generated, with
 the generating policy's log-probs and version, weights synced after each step, the monitor
-recording each step, and speculation changing nothing at temperature 0."""
+recording each step, and speculation changing nothing at temperature 0. The `trl-grpo` job: a
+user's module:function tasks, resume after a crash, no Ray left after kill -9; the README's TRL
+snippet runs as written."""
 import dataclasses
+import json
 import os
+import re
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import ray
@@ -18,6 +25,7 @@ from rollout.models.decoder import random_model
 from rollout.models.hf_loader import LoadedModel, expected_tensor_shapes, export_hf_dir, hf_config_dict
 from rollout.models.tokenizer import TOKEN_CONTROL, TOKEN_NORMAL, bpe_tokenizer
 from rollout.monitor import AcceptanceMonitor, MonitorConfig
+from rollout.ray_guard import local_ray as guarded_ray
 
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")   # rollout_func is "experimental" in TRL 1.16
 
@@ -25,7 +33,9 @@ import datasets  # noqa: E402  dev dependencies (pyproject's dev extra): these t
 import transformers  # noqa: E402
 import trl  # noqa: E402
 
-from rollout.integrations.trl import TRLRollout, policy_tensors, sampling_from_args  # noqa: E402
+from rollout.integrations.trl import ROLLOUT_STATE, TRLRollout, policy_tensors, sampling_from_args  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 TOKENS = SPECIALS + sorted(pre_tokenizers.ByteLevel.alphabet())
@@ -53,9 +63,8 @@ def tiny(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def local_ray():
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
+    with guarded_ray(num_cpus=2, log_to_driver=False):
+        yield
 
 
 def accel_cfg(out_dir, cotrainer: bool) -> AcceleratorConfig:
@@ -255,3 +264,130 @@ def test_trl_dataset_and_reward_come_from_the_task_source(tmp_path):
     kw = {"task_index": data["task_index"], "domain": data["domain"]}
     assert reward(data["prompt"], right, **kw) == [1.25] * 6
     assert reward(data["prompt"], wrong, **kw) == [0.25] * 6
+
+
+# ------------------------------------------------------------------------- the trl-grpo job
+
+SAID: list[str] = []          # answers the user's reward function below was asked to score
+
+
+def say_tasks():
+    """A user's own task source (`tasks.source=tests.test_trl:say_tasks`): items and a reward."""
+    items = [{"question": f"Say {w}.", "answer": w, "dataset": "say"} for w in ("yes", "no", "ok", "hi", "up", "go")]
+
+    def reward(completion: str, item: dict) -> float:
+        SAID.append(item["answer"])
+        return float(item["answer"] in completion)
+
+    return items, reward
+
+
+def job_args(hf_dir, out_dir, *extra) -> list[str]:
+    """trl-grpo on the tiny exported llama: 3 optimizer steps of 2 prompts x 2 completions."""
+    return [f"accelerator.model={hf_dir}", "heads=init", "accelerator.num_depths=2", "num_draft_tokens=2",
+            "tasks.source=tests.test_trl:say_tasks", "tasks.num_prompts=6", "tasks.heldout_prompts=0",
+            "trl.max_steps=3", "trl.prompts_per_step=2", "trl.num_generations=2", "trl.max_completion_length=6",
+            "trl.train_last_layers=1", "checkpoint_every=1",
+            "accelerator.workers.num_cpus_per_worker=1", "accelerator.cotrainer.num_cpus=1",
+            "accelerator.cotrainer.steps_per_refresh=2", "accelerator.cotrainer.batch_tokens=64",
+            "accelerator.monitor.n_boot=10", "accelerator.monitor.tensorboard=false", "accelerator.monitor.plots=false",
+            f"out_dir={out_dir}", *extra]
+
+
+class CrashAfterStep(transformers.TrainerCallback):
+    """A crash once optimizer step `n` is done and logged by the monitor, before its checkpoint."""
+
+    def __init__(self, n: int):
+        self.n = n
+
+    def on_step_end(self, args, state, control, **kw):
+        if state.global_step == self.n:
+            raise RuntimeError("simulated crash")
+
+
+def test_trl_grpo_uses_a_users_task_source_and_resumes_after_a_crash(tiny, local_ray, tmp_path, monkeypatch, capsys):
+    """tasks.source=module:function gives trl-grpo its prompts and reward. A crash after step 2 (its
+    monitor record written, its checkpoint not) is resumed with `resume=true` from checkpoint-1:
+    every step is in the monitor once, with its policy version, and TRL continues at global step 1."""
+    from experiments import trl_grpo
+
+    hf_dir, _, _ = tiny
+    out = tmp_path / "run"
+    SAID.clear()
+
+    class Crashing(trl.GRPOTrainer):
+        def __init__(self, *a, callbacks=(), **k):
+            super().__init__(*a, callbacks=[*callbacks, CrashAfterStep(2)], **k)
+
+    with monkeypatch.context() as m:
+        m.setattr(trl, "GRPOTrainer", Crashing)
+        with pytest.raises(RuntimeError, match="simulated crash"):
+            trl_grpo.main(job_args(hf_dir, out))
+    steps = [r["step"] for r in AcceptanceMonitor.load_records(out) if "event" not in r]
+    assert steps == [0, 1] and [p.name for p in (out / "trl").glob("checkpoint-*")] == ["checkpoint-1"]
+    assert set(SAID) <= {"yes", "no", "ok", "hi", "up", "go"} and len(SAID) == 2 * 4   # the user's reward
+
+    with pytest.raises(ValueError, match="resume=true"):                # no silent restart into a run
+        trl_grpo.main(job_args(hf_dir, out))
+    with pytest.raises(ValueError, match="trl.max_steps"):               # a resumed run is the same run
+        trl_grpo.main(job_args(hf_dir, out, "resume=true", "trl.max_steps=4"))
+    capsys.readouterr()
+    assert trl_grpo.main([f"out_dir={out}", "resume=true"]) == 0        # the run's own config.yaml
+    assert "resuming" in capsys.readouterr().out
+
+    records = [r for r in AcceptanceMonitor.load_records(out) if "event" not in r]
+    assert [(r["step"], r["policy_version_max"]) for r in records] == [(0, 0), (1, 1), (2, 2)]
+    assert [p.name for p in (out / "trl").glob("checkpoint-*")] == ["checkpoint-3"]
+    assert (out / "trl" / "checkpoint-3" / ROLLOUT_STATE).is_file()
+    state = json.loads((out / "trl" / "checkpoint-3" / "trainer_state.json").read_text())
+    assert state["global_step"] == 3
+    logged = [r["step"] for r in map(json.loads, (out / "trl_log.jsonl").read_text().splitlines()) if "loss" in r]
+    assert logged == [1, 2, 3]
+    assert json.loads((out / "summary.json").read_text())["steps"] == [0, 1, 2]
+    assert len(SAID) == 2 * 4 + 2 * 4                                    # steps 2 and 3 after the resume
+    assert "all 3 steps are done" in run_again(trl_grpo, out, capsys)
+
+
+def run_again(trl_grpo, out, capsys) -> str:
+    capsys.readouterr()
+    trl_grpo.main([f"out_dir={out}", "resume=true"])
+    return capsys.readouterr().out
+
+
+@pytest.mark.ray
+@pytest.mark.slow          # a fresh interpreter, TRL's imports and a new Ray: ~30-60 s
+def test_trl_grpo_killed_leaves_no_ray(tiny, tmp_path):
+    """kill -9 of `mtp-rollout trl-grpo` once its actors run: its local Ray goes too (the guard)."""
+    from tests.test_ray_exposure import has_actor, kill9_leaves_no_ray
+
+    hf_dir, _, _ = tiny
+    proc = subprocess.Popen([sys.executable, "-m", "experiments.cli", "trl-grpo",
+                             *job_args(hf_dir, tmp_path / "run", "trl.max_steps=50", "checkpoint_every=0")],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "PYTHONPATH": str(ROOT), "RAY_ADDRESS": "local"})
+    try:
+        kill9_leaves_no_ray(proc, has_actor("ray::RolloutWor"))
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def readme_trl_snippet() -> str:
+    """The ```python block of README.md's TRL section."""
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    section = text.split("### TRL", 1)[1].split("\n## ", 1)[0]
+    m = re.search(r"^```python\n(.*?)^```", section, flags=re.S | re.M)
+    assert m, "README.md's TRL section has no ```python snippet"
+    return m.group(1)
+
+
+@pytest.mark.slow
+def test_readme_trl_snippet_runs_as_written(tmp_path):
+    """The real default model and its shipped heads, exactly the README's lines, in a fresh directory."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "RAY_ADDRESS": "local"}
+    proc = subprocess.run([sys.executable, "-c", readme_trl_snippet()], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    steps = [r for r in AcceptanceMonitor.load_records(tmp_path / "runs" / "trl_example") if "event" not in r]
+    assert [r["step"] for r in steps] == [0, 1] and all(r["num_draft_tokens"] > 0 for r in steps)

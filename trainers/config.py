@@ -4,7 +4,8 @@
 
 Loading, overrides, errors, `--help` and the resolved config.yaml are rollout.config_loader's
 job; this module only says what a run is made of. `${out_dir}` lets nested keys (the monitor's
-directory, the co-trainer's checkpoints) follow the run directory. All keys with their
+directory, the co-trainer's checkpoints) follow the run directory, and the run's config.yaml keeps
+them so (run_dir_relative): a moved or copied run directory resumes in place. All keys with their
 defaults and meanings are listed in configs/README.md (`python -m trainers.config` prints them).
 """
 from __future__ import annotations
@@ -12,6 +13,8 @@ from __future__ import annotations
 import dataclasses
 import sys
 from pathlib import Path
+
+from omegaconf import OmegaConf
 
 from mtp_heads.cotrainer import CoTrainerConfig
 from mtp_heads.shipped import check_heads_spec
@@ -73,6 +76,11 @@ class RunConfig:
     resume: bool = False               # continue out_dir's run from its last checkpoint (README: When things go wrong)
     checkpoint_every: int = 5          # steps between run checkpoints in <out_dir>/checkpoints/ (policy, optimizer,
                                        # heads, co-trainer, logs); 0 = none
+    keep_checkpoints: int = 2          # newest run checkpoints kept; an older one is deleted only once a newer one is
+                                       # written and verified, and resume falls back to the newest intact one
+    cotrainer_required: bool = True    # a run whose head co-trainer died for good (beyond
+                                       # accelerator.cotrainer.max_restarts) fails (exit 1) after its last step;
+                                       # false: it only says so
 
     @property
     def total_steps(self) -> int:
@@ -90,11 +98,46 @@ class RunConfig:
             raise ValueError(f"trainer_threads must be >= 1, got {self.trainer_threads}")
         if self.checkpoint_every < 0:
             raise ValueError(f"checkpoint_every must be >= 0 (0 = no checkpoints), got {self.checkpoint_every}")
+        if self.keep_checkpoints < 1:
+            raise ValueError(f"keep_checkpoints must be >= 1, got {self.keep_checkpoints}")
 
 
 def load_run_config(argv: list[str]) -> tuple[RunConfig, str]:
     """The RL job's config from `[yaml_path?, key=value ...]`; see rollout.config_loader.load_config."""
     return load_config(RunConfig, argv)
+
+
+def _string_leaves(node: dict, prefix: str = ""):
+    for k, v in node.items():
+        if isinstance(v, dict):
+            yield from _string_leaves(v, f"{prefix}{k}.")
+        elif isinstance(v, str):
+            yield f"{prefix}{k}", v
+
+
+def inside_run_dir(config_text: str) -> dict[str, str]:
+    """Keys of a saved config whose path lies inside its own out_dir, as `${out_dir}/...`.
+
+    Why: a run directory that is moved or copied must resume with its paths (the co-trainer's
+    checkpoints, the monitor's files) following it, not pointing back at the old place."""
+    data = OmegaConf.to_container(OmegaConf.create(config_text), resolve=False)
+    out = str(data.get("out_dir") or "").rstrip("/")
+    if not out or "${" in out:
+        return {}
+    return {key: "${out_dir}" + v[len(out):] for key, v in _string_leaves(data)
+            if key != "out_dir" and (v == out or v.startswith(out + "/"))}
+
+
+def run_dir_relative(config_text: str) -> str:
+    """config_text with the paths inside out_dir written relative to it (see inside_run_dir):
+    what a run's config.yaml holds."""
+    moved = inside_run_dir(config_text)
+    if not moved:
+        return config_text
+    conf = OmegaConf.create(config_text)
+    for key, value in moved.items():
+        OmegaConf.update(conf, key, value, merge=False)
+    return OmegaConf.to_yaml(conf)
 
 
 USAGE = "python -m experiments.async_rl [configs/<job>.yaml] [key=value ...]"

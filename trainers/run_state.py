@@ -1,5 +1,5 @@
 """Checkpoints of the async RL job, so that `mtp-rollout run out_dir=... resume=true` continues a
-killed or interrupted run from its last checkpoint with every step logged exactly once.
+killed or interrupted run from its last intact checkpoint with every step logged exactly once.
 
     <out_dir>/checkpoints/step-000004/
         trainer.pt            trained policy tensors after step 4 (version 5), the tensors of version 4
@@ -7,15 +7,18 @@ killed or interrupted run from its last checkpoint with every step logged exactl
         heads.pt              the heads the workers ran and their version
         cotrainer.pt          the head co-trainer's state (heads, optimizer, refresh policy, replay), if any
         monitor_state.json    the monitor's cumulative histograms after step 4
-        state.json            written last: step, versions, and the byte length of monitor.jsonl and
-                              rl.jsonl after step 4 (resume cuts them back to it)
+        state.json            written last: step, versions, the byte length of monitor.jsonl and
+                              rl.jsonl after step 4 (resume cuts them back to it), and the size and
+                              sha256 of every file above
 
-A directory without state.json is an unfinished write and is ignored; each file is written to
-a temporary name and renamed into place, and older checkpoints are deleted only after a newer
-one is complete, so a crash at any moment leaves a complete checkpoint (or none).
+A directory without state.json is an unfinished write. Each file is written to a temporary name
+and renamed into place, the new checkpoint is read back and checked against its sha256 sums, and
+only then are checkpoints beyond the newest `keep` deleted: a crash, or a file damaged later, at
+any moment leaves an intact older checkpoint to fall back to (resume_checkpoint names what it skips).
 """
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import logging
@@ -28,7 +31,7 @@ import torch
 
 from mtp_heads.cotrainer import HEADS_NAME, STATE_NAME
 from rollout.fileio import atomic_write
-from rollout.run_dir import read_json, truncate_to
+from rollout.run_dir import truncate_to
 
 logger = logging.getLogger(__name__)
 
@@ -37,7 +40,8 @@ STATE = "state.json"
 LOGS = ("monitor.jsonl", "rl.jsonl")           # append-only logs, cut back to the checkpoint on resume
 MONITOR_STATE = "monitor_state.json"
 COTRAINER_FILES = (HEADS_NAME, str(Path(HEADS_NAME).with_suffix(".json")), STATE_NAME)
-FORMAT = 1
+FORMAT = 2                                    # 1: no file sums (checked by loading the files)
+REQUIRED = ("trainer.pt", "heads.pt")
 
 
 def _own_storage(obj):
@@ -75,54 +79,157 @@ class Checkpoint:
         except FileNotFoundError:
             return None
         except Exception as e:  # noqa: BLE001 - torch raises many types for a damaged file
-            raise ValueError(f"checkpoint file {path} is unreadable ({type(e).__name__}: {e}); delete "
-                             f"{self.path} to resume from an earlier checkpoint") from None
+            raise ValueError(f"checkpoint file {path} is unreadable ({type(e).__name__}: {e})") from None
+
+
+def _sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
 
 
 def save_checkpoint(run_dir: Path, step: int, *, trained: dict, previous: dict, optimizer: dict,
-                    heads: dict, head_version: int, cotrainer: dict | None) -> Checkpoint:
-    """Write step `step`'s checkpoint (see module docstring), then delete the older ones."""
+                    heads: dict, head_version: int, cotrainer: dict | None, keep: int = 2) -> Checkpoint:
+    """Write step `step`'s checkpoint (see module docstring), verify it, then delete all but the
+    newest `keep` (and any left from steps after this one by an earlier, rewound attempt)."""
+    if keep < 1:
+        raise ValueError(f"keep_checkpoints must be >= 1, got {keep}")
     root = run_dir / CHECKPOINTS
     path = root / f"step-{step:06d}"
     if path.exists():
         shutil.rmtree(path)
     path.mkdir(parents=True)
-    atomic_write(path / "trainer.pt", _torch_bytes({"trained": trained, "previous": previous,
-                                                     "optimizer": optimizer}))
-    atomic_write(path / "heads.pt", _torch_bytes({"heads": heads, "head_version": head_version}))
+    contents = {"trainer.pt": _torch_bytes({"trained": trained, "previous": previous, "optimizer": optimizer}),
+                "heads.pt": _torch_bytes({"heads": heads, "head_version": head_version})}
     if cotrainer is not None:
-        atomic_write(path / "cotrainer.pt", _torch_bytes(cotrainer))
+        contents["cotrainer.pt"] = _torch_bytes(cotrainer)
     if (run_dir / MONITOR_STATE).exists():
-        atomic_write(path / MONITOR_STATE, (run_dir / MONITOR_STATE).read_bytes())
+        contents[MONITOR_STATE] = (run_dir / MONITOR_STATE).read_bytes()
+    for name, data in contents.items():
+        atomic_write(path / name, data)
+    files = {name: {"bytes": len(data), "sha256": _sha256(data)} for name, data in contents.items()}
     logs = {name: (run_dir / name).stat().st_size if (run_dir / name).exists() else 0 for name in LOGS}
     state = {"format": FORMAT, "step": step, "policy_version": step + 1, "head_version": head_version,
-             "log_bytes": logs, "time": time.time()}
+             "log_bytes": logs, "files": files, "time": time.time()}
     atomic_write(path / STATE, json.dumps(state, indent=1) + "\n")      # commits the checkpoint
-    for old in root.iterdir():
-        if old != path and old.name.startswith("step-"):
+    ckpt, problem = check_checkpoint(path)
+    if ckpt is None:
+        raise RuntimeError(f"checkpoint {path} does not read back as written ({problem}); the older "
+                           "checkpoints are kept")
+    _prune(root, step, keep)
+    return ckpt
+
+
+def _step_of(path: Path) -> int | None:
+    try:
+        return int(path.name.removeprefix("step-"))
+    except ValueError:
+        return None
+
+
+def _prune(root: Path, step: int, keep: int) -> None:
+    """Delete unfinished checkpoints, those after `step` and all but the newest `keep` up to it."""
+    kept = 0
+    for old in sorted((p for p in root.glob("step-*") if _step_of(p) is not None), key=_step_of, reverse=True):
+        if _step_of(old) <= step and (old / STATE).is_file() and kept < keep:
+            kept += 1
+        else:
             shutil.rmtree(old, ignore_errors=True)
-    return Checkpoint(path, step, step + 1, head_version, logs)
+
+
+def check_checkpoint(path: Path) -> tuple[Checkpoint | None, str]:
+    """(the checkpoint, "") if `path` is complete and every file is as written, else (None, why not)."""
+    if not (path / STATE).is_file():
+        return None, "unfinished (no state.json: stopped while it was written)"
+    try:
+        s = json.loads((path / STATE).read_text(encoding="utf-8"))
+        ckpt = Checkpoint(path, int(s["step"]), int(s["policy_version"]), int(s["head_version"]),
+                          {k: int(v) for k, v in s["log_bytes"].items()})
+        files = s.get("files")
+    except (OSError, ValueError, UnicodeDecodeError, KeyError, TypeError, AttributeError) as e:
+        return None, f"state.json is damaged ({type(e).__name__}: {e})"
+    if files is None:                                   # format 1: no sums; the files must at least load
+        for name in REQUIRED + ("cotrainer.pt",):
+            if name in REQUIRED and not (path / name).is_file():
+                return None, f"{name} is missing"
+            try:
+                ckpt.load(name)
+            except ValueError as e:
+                return None, str(e)
+        return ckpt, ""
+    for name in REQUIRED:
+        if name not in files:
+            return None, f"state.json lists no {name}"
+    for name, want in files.items():
+        try:
+            data = (path / name).read_bytes()
+        except FileNotFoundError:
+            return None, f"{name} is missing"
+        except OSError as e:
+            return None, f"{name} is unreadable ({e.strerror or e})"
+        if len(data) != want.get("bytes"):
+            return None, f"{name} is {len(data)} bytes, {want.get('bytes')} were written"
+        if _sha256(data) != want.get("sha256"):
+            return None, f"{name} does not match its sha256 (damaged after it was written)"
+    return ckpt, ""
+
+
+def resume_checkpoint(run_dir: Path) -> tuple[Checkpoint | None, list[str]]:
+    """The newest intact checkpoint whose logs the run still has, and one line per newer
+    checkpoint directory skipped, saying why (resume names them; rewind_run_dir deletes them)."""
+    root = run_dir / CHECKPOINTS
+    paths = sorted((p for p in root.glob("step-*") if p.is_dir() and _step_of(p) is not None), key=_step_of,
+                   reverse=True) if root.is_dir() else []
+    skipped = []
+    for path in paths:
+        ckpt, problem = check_checkpoint(path)
+        if ckpt is not None:
+            short = [f"{name} is {size} bytes, shorter than the {ckpt.log_bytes[name]} it had then"
+                     for name in LOGS if (size := _size(run_dir / name)) < ckpt.log_bytes.get(name, 0)]
+            if not short:
+                return ckpt, skipped
+            problem = "; ".join(short)
+        skipped.append(f"{path.relative_to(run_dir)}: {problem}")
+    return None, skipped
 
 
 def latest_checkpoint(run_dir: Path) -> Checkpoint | None:
-    """The newest complete checkpoint (unfinished directories are ignored)."""
-    root = run_dir / CHECKPOINTS
-    done = sorted(p for p in root.glob("step-*") if (p / STATE).is_file()) if root.is_dir() else []
-    if not done:
-        return None
-    s = read_json(done[-1] / STATE, "checkpoint state")
-    try:
-        return Checkpoint(done[-1], int(s["step"]), int(s["policy_version"]), int(s["head_version"]),
-                          {k: int(v) for k, v in s["log_bytes"].items()})
-    except (KeyError, TypeError, ValueError) as e:
-        raise ValueError(f"checkpoint state {done[-1] / STATE} is incomplete ({e!r}); delete {done[-1]} "
-                         "to resume from an earlier checkpoint") from None
+    """The newest intact checkpoint (see resume_checkpoint), or None."""
+    return resume_checkpoint(run_dir)[0]
 
 
-def rewind_run_dir(run_dir: Path, ckpt: Checkpoint | None, cotrainer_dir: str | None) -> None:
+def _size(path: Path) -> int:
+    return path.stat().st_size if path.exists() else 0
+
+
+def steps_after(run_dir: Path, ckpt: Checkpoint | None) -> list[int]:
+    """The RL steps logged after `ckpt` (all of them without one): what resuming from it cuts and redoes."""
+    steps = set()
+    for name in LOGS:
+        path = run_dir / name
+        if not path.exists():
+            continue
+        with open(path, "rb") as f:
+            f.seek(ckpt.log_bytes.get(name, 0) if ckpt else 0)
+            tail = f.read()
+        for line in tail.decode("utf-8", "replace").splitlines():
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                continue                                # a line cut by the kill
+            if isinstance(rec, dict) and "event" not in rec and isinstance(rec.get("step"), int):
+                steps.add(rec["step"])
+    return sorted(steps)
+
+
+def rewind_run_dir(run_dir: Path, ckpt: Checkpoint | None, cotrainer_dir: str | None) -> list[int]:
     """Put the run's files back to the checkpoint: logs cut to their length then, the monitor's
     state restored, the co-trainer's own checkpoint files removed (the resumed co-trainer is given
-    the checkpoint's state and rewrites them). No checkpoint: back to an empty run."""
+    the checkpoint's state and rewrites them), checkpoint directories after it (skipped ones)
+    deleted. No checkpoint: back to an empty run. Returns the logged steps it cut (steps_after)."""
+    dropped = steps_after(run_dir, ckpt)
+    root = run_dir / CHECKPOINTS
+    for later in root.glob("step-*") if root.is_dir() else []:
+        if ckpt is None or (later != ckpt.path and (_step_of(later) is None or _step_of(later) > ckpt.step)):
+            shutil.rmtree(later, ignore_errors=True)
     for name in LOGS:
         truncate_to(run_dir / name, ckpt.log_bytes.get(name, 0) if ckpt else 0)
     saved = ckpt.path / MONITOR_STATE if ckpt else None
@@ -135,3 +242,4 @@ def rewind_run_dir(run_dir: Path, ckpt: Checkpoint | None, cotrainer_dir: str | 
             (Path(cotrainer_dir) / name).unlink(missing_ok=True)
     for stale in ("summary.csv",):     # rewritten from the cut logs
         (run_dir / stale).unlink(missing_ok=True)
+    return dropped

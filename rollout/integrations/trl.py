@@ -27,6 +27,13 @@ when vLLM is off) with its own `log_softmax(logits / args.temperature)`: equal q
 args.temperature == 1, TRL's default. Another temperature is refused together with
 off_policy_mask_threshold and warned about otherwise.
 
+Resume: TRL's own checkpoints carry the trained side (weights, optimizer, RNG, data position).
+`on_save` adds the rollout side to each checkpoint-<step> folder (ROLLOUT_STATE: the heads the
+workers run and their version, the co-trainer's state, the monitor log's length, the rollout seed
+counter); with `trainer.train(resume_from_checkpoint=...)`, `on_train_begin` sends the workers the
+restored policy and gives the co-trainer its state back. Build the accelerator of a resumed run
+after `restore_run_files` (monitor files cut back to the checkpoint) with the saved heads.
+
 Evaluation rollouts (trainer.evaluate) take the same path and count in the next step's record.
 Single process only (one TRL process owns the accelerator); weights are the HF model's own
 parameter names, which are this project's names for llama / qwen2 / qwen3 (policy_tensors).
@@ -34,17 +41,24 @@ parameter names, which are this project's names for llama / qwen2 / qwen3 (polic
 from __future__ import annotations
 
 import dataclasses
+import io
 import logging
 import math
+import os
 import warnings
 from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+import ray
 import torch
 from transformers import TrainerCallback
 
+from mtp_heads.cotrainer import HEADS_NAME, STATE_NAME
 from rollout.accelerator import RolloutAccelerator
+from rollout.fileio import atomic_write
+from rollout.monitor import AcceptanceMonitor
 from rollout.monitor.step_stats import max_prob_stats
 from rollout.types import Completion, RolloutBatch, SamplingParams
 
@@ -59,6 +73,9 @@ FIELDS = ("policy_version", "head_version", "acceptance_rate", "acceptance_lengt
 
 # prefixes that wrappers put before the model's own parameter names (DDP/accelerate, torch.compile)
 WRAPPER_PREFIXES = ("module.", "_orig_mod.")
+
+ROLLOUT_STATE = "rollout_state.pt"   # the rollout side of a TRL checkpoint, in its checkpoint-<step> folder
+SAVE_WAIT_S = 30.0                   # how long a checkpoint waits for a busy co-trainer's state
 
 
 # ------------------------------------------------------------------------------ weights
@@ -91,6 +108,36 @@ def policy_tensors(model: torch.nn.Module, *, only_trainable: bool = True,
         out[name] = p.detach()
     if not out:
         raise ValueError("the model has no trainable parameters to sync (every requires_grad is False)")
+    return out
+
+
+def train_last_layers(model: torch.nn.Module, n_layers: int) -> list[str]:
+    """requires_grad only on the last n decoder layers and the final norm (-1: everything), so TRL's
+    optimizer, its backward pass and every sync_policy touch only those: on a CPU, train a few
+    layers. Returns the trainable names."""
+    total = model.config.num_hidden_layers
+    if n_layers != -1 and not 1 <= n_layers <= total:
+        raise ValueError(f"train the last 1..{total} layers (or -1: all), got {n_layers}")
+    keep = [f"model.layers.{i}." for i in range(0 if n_layers == -1 else total - n_layers, total)] + ["model.norm."]
+    for name, p in model.named_parameters():
+        p.requires_grad_(n_layers == -1 or name.startswith(tuple(keep)))
+    return [n for n, p in model.named_parameters() if p.requires_grad]
+
+
+def hf_model_dir(spec: str | os.PathLike, out_dir: str | os.PathLike | None = None) -> Path:
+    """An HF directory of `spec` (a model name, .gguf file or HF directory) for transformers/TRL, with
+    the very weights the rollout workers load: the directory itself, or our export of the model to
+    out_dir (default <cache>/hf/<name>), written once."""
+    from rollout.models.default_model import cache_dir
+    from rollout.models.loaders import export_hf_dir, load_model
+
+    if Path(spec).is_dir():
+        return Path(spec)
+    out = Path(out_dir) if out_dir else cache_dir() / "hf" / Path(str(spec)).stem
+    if not (out / "config.json").is_file():
+        loaded = load_model(spec)
+        logger.info("exporting %s to %s", loaded.source, out)
+        export_hf_dir(loaded, out, overwrite=out.exists())
     return out
 
 
@@ -237,10 +284,23 @@ class TRLRollout(TrainerCallback):
     # -- TrainerCallback ---------------------------------------------------------------------------
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
-        """Resuming from a TRL checkpoint: the workers still hold the initial policy, so send all of it."""
-        if state.global_step > 0 and model is not None:
-            self.accel.sync_policy(policy_tensors(model, only_trainable=False, rename=self.rename),
-                                   version=state.global_step)
+        """Resuming from a TRL checkpoint: the workers still hold the initial policy, so send all of it;
+        the rollout seed counter and the co-trainer's state come back from the checkpoint's ROLLOUT_STATE."""
+        if state.global_step > 0:
+            saved = read_rollout_state(checkpoint_dir(args, state.global_step))
+            if saved is not None:
+                self._calls = int(saved["calls"])
+                if saved["cotrainer"] is not None and self.accel.cotrainer is not None:
+                    ray.get(self.accel.cotrainer.load_state.remote(saved["cotrainer"]), timeout=120)
+            if model is not None:
+                self.accel.sync_policy(policy_tensors(model, only_trainable=False, rename=self.rename),
+                                       version=state.global_step)
+        return control
+
+    def on_save(self, args, state, control, **kwargs):
+        """TRL has just written checkpoint-<global_step>: add the rollout side (ROLLOUT_STATE)."""
+        save_rollout_state(checkpoint_dir(args, state.global_step), self.accel, calls=self._calls,
+                           global_step=state.global_step)
         return control
 
     def on_step_end(self, args, state, control, model=None, **kwargs):
@@ -263,3 +323,86 @@ class TRLRollout(TrainerCallback):
             if values and (name in ("reward", "reward_std") or (name.startswith("rewards/") and name.endswith("/mean"))):
                 out[name] = float(values[-1])
         return out
+
+
+# ------------------------------------------------------------------------------ checkpoints
+
+
+def checkpoint_dir(args, global_step: int) -> Path:
+    """Where TRL's Trainer writes (and a resume reads) the checkpoint of `global_step`."""
+    return Path(args.output_dir) / f"checkpoint-{global_step}"
+
+
+def _own_storage(obj):
+    """Unpacked tensors are views of one flat buffer with several dtypes, which torch.save refuses."""
+    if isinstance(obj, torch.Tensor):
+        return obj.clone()
+    if isinstance(obj, dict):
+        return {k: _own_storage(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_own_storage(v) for v in obj)
+    return obj
+
+
+def save_rollout_state(ckpt: Path, accel: RolloutAccelerator, *, calls: int, global_step: int) -> Path:
+    """Write ckpt/ROLLOUT_STATE atomically: heads and version, co-trainer state (None if it is busy
+    past SAVE_WAIT_S or dead: a resume then restarts it from the saved heads), the monitor log's
+    length and histogram state, and the rollout seed counter. A checkpoint without it is incomplete."""
+    accel.flush(timeout=SAVE_WAIT_S)
+    cotrainer = None
+    if accel.cotrainer is not None:
+        try:
+            cotrainer = ray.get(accel.cotrainer.state.remote(), timeout=SAVE_WAIT_S)
+        except Exception as e:  # noqa: BLE001 - a dead or stuck co-trainer: the heads are enough
+            logger.warning("checkpoint %s without the co-trainer's state (%s)", ckpt, e)
+    heads, head_version = accel.current_heads()
+    mon = Path(accel.monitor.out_dir)
+    jsonl, mstate = mon / AcceptanceMonitor.JSONL, mon / AcceptanceMonitor.STATE
+    state = {"global_step": global_step, "calls": calls, "heads": heads, "head_version": head_version,
+             "cotrainer": cotrainer, "monitor_bytes": jsonl.stat().st_size if jsonl.exists() else 0,
+             "monitor_state": mstate.read_bytes() if mstate.exists() else None}
+    buf = io.BytesIO()
+    torch.save(_own_storage(state), buf)
+    return atomic_write(Path(ckpt) / ROLLOUT_STATE, buf.getvalue())
+
+
+def read_rollout_state(ckpt: Path) -> dict | None:
+    """The checkpoint's ROLLOUT_STATE, None if it has none; a damaged one is an error naming it."""
+    path = Path(ckpt) / ROLLOUT_STATE
+    if not path.is_file():
+        return None
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001 - torch raises many types for a damaged file
+        raise ValueError(f"{path} is unreadable ({type(e).__name__}: {e}); delete {ckpt} to resume "
+                         "from an earlier checkpoint") from None
+
+
+def latest_checkpoint(output_dir: Path) -> Path | None:
+    """The newest checkpoint-<step> folder of a TRL output_dir that holds the rollout side too."""
+    done = [p for p in Path(output_dir).glob("checkpoint-*")
+            if p.name.split("-", 1)[1].isdigit() and (p / ROLLOUT_STATE).is_file()]
+    return max(done, key=lambda p: int(p.name.split("-", 1)[1]), default=None)
+
+
+def restore_run_files(saved: dict | None, monitor_dir: str | os.PathLike, cotrainer_dir: str | None) -> None:
+    """Before building a resumed run's accelerator: monitor.jsonl cut back to its length at the
+    checkpoint and its histogram state put back (every step is then logged once), and the
+    co-trainer's own checkpoint files removed (on_train_begin gives it the saved state). saved=None:
+    back to an empty run."""
+    mon = Path(monitor_dir)
+    jsonl = mon / AcceptanceMonitor.JSONL
+    keep = int(saved["monitor_bytes"]) if saved else 0
+    if jsonl.exists():
+        if jsonl.stat().st_size < keep:
+            raise ValueError(f"{jsonl} is shorter than at the checkpoint ({keep} bytes): it was cut or replaced; "
+                             "cannot resume into this out_dir")
+        with open(jsonl, "r+b") as f:
+            f.truncate(keep)
+    if saved and saved["monitor_state"] is not None:
+        atomic_write(mon / AcceptanceMonitor.STATE, saved["monitor_state"])
+    else:
+        (mon / AcceptanceMonitor.STATE).unlink(missing_ok=True)
+    if cotrainer_dir:
+        for name in (HEADS_NAME, str(Path(HEADS_NAME).with_suffix(".json")), STATE_NAME):
+            (Path(cotrainer_dir) / name).unlink(missing_ok=True)

@@ -1,4 +1,5 @@
-"""Byte-level BPE tokenizers rebuilt from GGUF vocabularies, and chat-template rendering."""
+"""Byte-level BPE tokenizers rebuilt from GGUF vocabularies, chat-template rendering, and the check
+that text handed to them is UTF-8."""
 from __future__ import annotations
 
 import json
@@ -64,6 +65,19 @@ def bpe_tokenizer(tokens: list[str], merges: list[str], token_types: list[int] |
     return tok
 
 
+def check_text(text: str, where: str) -> str:
+    """`text` unchanged, or a ValueError naming `where` and the byte offset of the first byte that is
+    not UTF-8: invalid bytes on a command line or in a file reach Python as lone surrogates
+    (surrogateescape), which the tokenizer refuses with a TypeError that names nothing."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        pos, code = len(text[:e.start].encode("utf-8")), ord(text[e.start])
+        shown = f"byte 0x{code - 0xDC00:02x}" if 0xDC80 <= code <= 0xDCFF else f"lone surrogate U+{code:04X}"
+        raise ValueError(f"{where} is not valid UTF-8 text: {shown} at byte position {pos}") from None
+    return text
+
+
 # ---------------------------------------------------------------------------------------------
 # Chat templates
 
@@ -102,6 +116,9 @@ def apply_chat_template(tokenizer_or_loaded, messages: list[dict], add_generatio
     tokenizer = getattr(tokenizer_or_loaded, "tokenizer", tokenizer_or_loaded)
     if not isinstance(tokenizer, Tokenizer):
         raise ValueError("apply_chat_template needs a tokenizers.Tokenizer or a LoadedModel with one")
+    for i, message in enumerate(messages):
+        if isinstance(message.get("content"), str):
+            check_text(message["content"], f"message {i} ({message.get('role', '?')})")
     template = chat_template or getattr(tokenizer_or_loaded, "chat_template", None)
     config = getattr(tokenizer_or_loaded, "config", None)
     variables = {}
