@@ -34,6 +34,7 @@ from rollout.fileio import atomic_write
 from rollout.monitor.plots import column, save_png
 from rollout.monitor.records import fit_from_dict, json_safe, records_csv
 from rollout.run_dir import LOCK_NAME, RunLock
+from rollout.engine.config import EngineConfig
 from rollout.torch_engine import TorchEngine
 from rollout.types import check_draft_modes
 from trainers.rl_policy import load_rl_policy
@@ -206,7 +207,7 @@ def run(cfg: SweepConfig, resolved: str) -> list[dict]:
         prompts = [policy.codec.encode_prompt(t) for t in sweep_prompt_texts(cfg)]
         settings, temps = cfg.settings(), check_temperatures(cfg.temperatures)
         write_resolved(resolved, out)
-        engine, records = TorchEngine(policy.model), []
+        engine, records = TorchEngine(policy.model, config=EngineConfig(draft_lengths="fixed")), []   # the heads at k
         per_run = len(prompts) * cfg.max_new_tokens
         total = len(head_files) * len(cfg.draft_modes) * len(temps) * per_run
         with open(out / "sweep.jsonl", "w", encoding="utf-8") as log, \

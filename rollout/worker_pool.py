@@ -117,7 +117,7 @@ class WorkerPool:
                     raise RuntimeError(f"prompt chunk {c} failed on {attempt + 1} workers; last error: {e}") from e
                 if self.workers[slot] is handle:      # not yet replaced for another chunk
                     self.replace(slot, e)
-                nxt = slot if self.workers[slot] is not handle else (slot + 1) % len(self.workers)
+                nxt = (slot + 1) % len(self.workers)   # a live worker: the replacement may wait for resources
                 inflight[self._submit(nxt, prompts, chunks[c], sampling, c)] = (c, nxt, self.workers[nxt],
                                                                                 attempt + 1)
         completions = [None] * len(prompts)

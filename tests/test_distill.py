@@ -8,6 +8,7 @@ from mtp_heads.distill import (OBJECTIVES, DistillBatch, DraftVocabMap, batch_fr
                                completion_mask, distill_loss)
 from mtp_heads.heads import MTPHeads, init_heads
 from mtp_heads.ttt import unroll
+from rollout.engine.config import EngineConfig
 from rollout.models.decoder import random_model
 from rollout.torch_engine import TorchEngine
 from rollout.types import SamplingParams
@@ -62,7 +63,7 @@ def test_training_time_test_unroll_equals_engine_drafting(policy, num_depths, k,
     heads = _randomised(init_heads(policy, num_depths, seed=0, num_layers=num_layers), seed=num_depths)
     seq = _greedy_sequence(policy, [5, 9, 2, 7], 24)
     seen = _force_drafts(monkeypatch, seq)
-    out = TorchEngine(policy, heads).generate([seq[:4]], SamplingParams(
+    out = TorchEngine(policy, heads, config=EngineConfig(draft_lengths="fixed")).generate([seq[:4]], SamplingParams(
         max_new_tokens=20, temperature=0.0, num_draft_tokens=k, ignore_eos=True, seed=0))
     assert out.completions[0].tokens == seq[4:24]          # forced drafts = the greedy text: all accepted
     assert len(seen) >= 3 * k

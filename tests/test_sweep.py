@@ -19,6 +19,7 @@ from experiments.entropy_sweep import DEFAULT_CONFIG, SweepConfig
 from mtp_heads.checkpoint import HeadMeta, save_heads
 from mtp_heads.heads import MTPHeads, init_heads
 from mtp_heads.losses import draft_loss
+from rollout.engine.config import EngineConfig
 from rollout.config_loader import config_keys, load_config
 from rollout.models.decoder import CausalLM
 from experiments.sweep_measure import SweepSettings, TemperatureRun, decode_at, temperature_record
@@ -126,7 +127,7 @@ SETTINGS = SweepSettings(num_draft_tokens=3, max_new_tokens=64, batch_size=32, s
 @pytest.fixture(scope="module")
 def runs(policy, trained_heads):
     """(mode, T) -> the sweep's run and record, ~2k rounds each."""
-    engine = TorchEngine(policy, trained_heads)
+    engine = TorchEngine(policy, trained_heads, config=EngineConfig(draft_lengths="fixed"))
     out = {}
     for mode in ("rejection", "greedy"):
         for t in (0.5, 1.2):

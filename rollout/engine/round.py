@@ -158,7 +158,7 @@ def run_round(ctx: RoundContext, st: DecodeState, view: RowView, chooser: DraftC
     for j in range(len(st.head_lag)):  # every row advanced by at most k+1 positions
         st.head_lag[j] += k + 1
     st.longest = min(st.longest + k + 1, st.max_len)
-    return RoundResult(k, st.row_ids, active, num_accepted, num_drafts, ent[index[:, 1:]] if k else ent.new_zeros(B, 0),
+    return RoundResult(k, st.row_ids, active, num_accepted, num_drafts, ent[index[:, :k]] if k else ent.new_zeros(B, 0),
                        plan, output, nonfinite, verified)
 
 
