@@ -55,6 +55,7 @@ class AgainstVLLMConfig:
     num_depths: int = 1                 # depths of heads=init (vLLM drafts with depth 1 only)
     num_draft_tokens: int = 3           # draft tokens per round of the speculative variants
     draft_mode: str = "rejection"       # greedy | rejection
+    vllm_draft_method: str = "heads"    # vllm-spec drafts with: heads (ours) | ngram | suffix (vLLM's history methods)
     temperature: float = 1.0            # sampling temperature of every engine (0 = greedy)
     max_new_tokens: int = 64            # per completion; EOS ignored so every call emits the same count
     batch_sizes: list[int] = field(default_factory=lambda: [1, 8])            # prompts per generate call
@@ -78,6 +79,9 @@ class AgainstVLLMConfig:
             raise ValueError("repeats, num_draft_tokens and max_new_tokens must be >= 1")
         from mtp_heads.shipped import check_heads_spec
         check_heads_spec("heads", self.heads)
+        from rollout.vllm.engine import DRAFT_METHODS
+        if self.vllm_draft_method not in DRAFT_METHODS:
+            raise ValueError(f"vllm_draft_method must be one of {list(DRAFT_METHODS)}, got {self.vllm_draft_method!r}")
 
 
 # --------------------------------------------------------------------------- child processes
@@ -115,7 +119,8 @@ def _child(conn, cfg: AgainstVLLMConfig, kind: str, dtype: str, threads: int, pr
         else:
             from rollout.vllm import VLLMEngine, VLLMEngineConfig
             engine = VLLMEngine(policy, heads, config=VLLMEngineConfig(
-                dtype=dtype, enforce_eager=not cfg.vllm_compile, gpu_memory_utilization=cfg.gpu_memory_utilization))
+                dtype=dtype, enforce_eager=not cfg.vllm_compile, gpu_memory_utilization=cfg.gpu_memory_utilization,
+                draft_method=cfg.vllm_draft_method))
         conn.send(("ready", heads_desc))
         while True:
             msg = conn.recv()
@@ -265,7 +270,8 @@ def append_log(path: str, argv: list[str], result: dict) -> None:
     cfg = result["config"]
     head = [f"\n## {dt.date.today().isoformat()} — bench-decode --against vllm (commit {commit})\n",
             f"Command: `mtp-rollout bench-decode --against vllm {' '.join(argv)}`  ",
-            f"Machine: {result['machine']}; k={cfg['num_draft_tokens']} {cfg['draft_mode']}, T={cfg['temperature']}, "
+            f"Machine: {result['machine']}; k={cfg['num_draft_tokens']} {cfg['draft_mode']}, vLLM drafts "
+            f"{cfg.get('vllm_draft_method', 'heads')}, T={cfg['temperature']}, "
             f"{cfg['max_new_tokens']} new tokens, {cfg['repeats']} repeats, vLLM "
             f"{'compiled' if cfg['vllm_compile'] else 'eager'}\n"]
     with open(path, "a") as f:

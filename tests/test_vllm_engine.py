@@ -18,6 +18,7 @@ import torch
 
 from mtp_heads.heads import MTPHeads, init_heads
 from rollout.models.decoder import random_model
+from rollout.engine.config import EngineConfig
 from rollout.torch_engine import TorchEngine
 from rollout.types import SamplingParams, SpecDecodingStats
 from rollout.verify import process_logits
@@ -64,6 +65,12 @@ def engine(policy, good_heads, tmp_path_factory):
     eng.close()
 
 
+def _torch(policy, heads) -> TorchEngine:
+    """The torch engine drafting k head tokens every round, as vLLM's drafter does (its default chooser
+    drafts 0..k per row from heads or history)."""
+    return TorchEngine(policy, heads, config=EngineConfig(draft_lengths="fixed"))
+
+
 def _per_round(batch) -> np.ndarray:
     return np.array([n for c in batch.completions for n in c.round_accepted], dtype=float)
 
@@ -98,7 +105,7 @@ def _teacher_forced(policy, prompt: list[int], tokens: list[int], sp: SamplingPa
 # ------------------------------------------------------------------------------ greedy draft mode
 def test_temperature_0_identical_outputs_and_acceptance(engine, policy, good_heads):
     prompts = _prompts()
-    ours = TorchEngine(policy, good_heads).generate(prompts, _sp(0.0))
+    ours = _torch(policy, good_heads).generate(prompts, _sp(0.0))
     theirs = engine.generate(prompts, _sp(0.0))
     for c_t, c_v in zip(ours.completions, theirs.completions):
         assert c_v.tokens == c_t.tokens
@@ -118,7 +125,7 @@ def test_temperature_0_identical_outputs_and_acceptance(engine, policy, good_hea
 
 def test_temperature_1_acceptance_matches_torch_greedy_mode(engine, policy, good_heads):
     prompts = _prompts(8, seed=1)
-    ours = TorchEngine(policy, good_heads).generate(prompts, _sp(1.0, "greedy", 40, seed=1))
+    ours = _torch(policy, good_heads).generate(prompts, _sp(1.0, "greedy", 40, seed=1))
     theirs = engine.generate(prompts, _sp(1.0, "greedy", 40, seed=1))
     assert [len(c.tokens) for c in theirs.completions] == [40] * 8
     _assert_same_acceptance(_per_round(theirs), _per_round(ours), K)
@@ -162,8 +169,8 @@ def test_entropies_and_hidden_states_come_from_vllm_without_a_second_pass(engine
 def test_live_head_refresh_changes_acceptance_not_outputs(engine, policy, good_heads):
     prompts, starts = _prompts(), engine.num_starts
     bad = random_heads(policy, 1, seed=3)
-    ref_bad = TorchEngine(policy, bad).generate(prompts, _sp(0.0))
-    ref_good = TorchEngine(policy, good_heads).generate(prompts, _sp(0.0))
+    ref_bad = _torch(policy, bad).generate(prompts, _sp(0.0))
+    ref_good = _torch(policy, good_heads).generate(prompts, _sp(0.0))
     engine.update_heads(bad.state_dict(), version=1)
     out_bad = engine.generate(prompts, _sp(0.0))
     engine.update_heads(good_heads.state_dict(), version=2)
@@ -204,7 +211,7 @@ def test_policy_refresh_logprobs_match_torch(engine, good_heads):
     new_policy = random_model(CFG, seed=1)
     engine.update_policy(new_policy.state_dict(), version=5)
     prompts = _prompts()
-    ours = TorchEngine(new_policy, good_heads).generate(prompts, _sp(0.0))
+    ours = _torch(new_policy, good_heads).generate(prompts, _sp(0.0))
     theirs = engine.generate(prompts, _sp(0.0))
     for c_t, c_v in zip(ours.completions, theirs.completions):
         assert c_v.tokens == c_t.tokens
@@ -223,7 +230,7 @@ def test_rejection_mode_with_draft_vocab_matches_torch(engine, policy, good_head
     engine.close()                                # one vLLM instance at a time on the test machine
     two_layers = init_heads(policy, 1, seed=1, num_layers=2)
     heads = set_draft_vocab(copy.deepcopy(two_layers), torch.arange(0, CFG.vocab_size, 2))
-    ref = TorchEngine(policy, heads)
+    ref = _torch(policy, heads)
     engine = VLLMEngine(copy.deepcopy(policy), copy.deepcopy(heads),
                         config=VLLMEngineConfig(work_dir=str(tmp_path), max_model_len=512))
     prompts = _prompts(8, seed=2)
@@ -248,11 +255,11 @@ def test_rejection_mode_with_draft_vocab_matches_torch(engine, policy, good_head
     with pytest.raises(ValueError, match="1 depths, 2 layers per depth"):
         engine.update_heads(good_heads.state_dict(), version=7)          # a one-layer drafter does not fit
     engine.update_heads(two_layers.state_dict(), version=7)
-    cleared_t = TorchEngine(policy, two_layers).generate(prompts, _sp(0.0, "rejection"))
+    cleared_t = _torch(policy, two_layers).generate(prompts, _sp(0.0, "rejection"))
     cleared_v = engine.generate(prompts, _sp(0.0, "rejection"))
     assert [c.round_accepted for c in cleared_v.completions] == [c.round_accepted for c in cleared_t.completions]
     # the recurrent two-layer drafter at temperature 1: conditional acceptance at every draft position (k = 3)
-    ours = TorchEngine(policy, two_layers).generate(prompts, _sp(1.0, "rejection", 48, seed=4))
+    ours = _torch(policy, two_layers).generate(prompts, _sp(1.0, "rejection", 48, seed=4))
     theirs = engine.generate(prompts, _sp(1.0, "rejection", 48, seed=4))
     _assert_same_per_position(theirs.spec_stats(), ours.spec_stats())
     assert engine.num_starts == 1
@@ -282,7 +289,7 @@ def test_bad_prompts_and_weights_rejected_before_vllm(policy, good_heads):
         eng.generate([[5, 999]], _sp(0.0))
     with pytest.raises(ValueError, match="exceeds the context length"):
         eng.generate([[5] * 500], _sp(0.0, max_new_tokens=64))
-    with pytest.raises(ValueError, match="needs MTP heads"):
+    with pytest.raises(ValueError, match="needs a drafter"):
         VLLMEngine(policy).generate([[5, 6]], _sp(0.0))
     with pytest.raises(ValueError, match="do not fit this policy"):
         eng.update_heads({"depths.0.eh_proj.weight": torch.zeros(64, 128)}, 1)
@@ -334,6 +341,9 @@ def test_against_vllm_bench_config_names_bad_engines():
     assert cfg.engines == ["vllm-plain", "vllm-spec"] and cfg.num_draft_tokens == 3
     with pytest.raises(ValueError, match="engines must be"):
         load_config(AgainstVLLMConfig, ["engines=[vllm-fast]"])
+    assert load_config(AgainstVLLMConfig, ["vllm_draft_method=suffix"])[0].vllm_draft_method == "suffix"
+    with pytest.raises(ValueError, match="vllm_draft_method must be one of"):
+        load_config(AgainstVLLMConfig, ["vllm_draft_method=medusa"])
 
 
 def test_against_vllm_bench_gives_each_engine_its_own_cores(monkeypatch):
@@ -346,3 +356,133 @@ def test_against_vllm_bench_gives_each_engine_its_own_cores(monkeypatch):
     assert engine_cores("torch", 2) == [2, 3] and engine_cores("torch", 1) == [1]
     monkeypatch.setattr("os.cpu_count", lambda: 2)
     assert engine_cores("torch", 2) == [0, 1]
+
+
+# ------------------------------------------------------------------------------ history drafts (vLLM's ngram / suffix)
+def _history_prompts() -> list[list[int]]:
+    """Two prompts that repeat themselves (prompt lookup finds matches) and four random ones."""
+    return [[5, 6, 7, 8, 9] * 4, [20, 30, 40] * 5] + _prompts(4, seed=5)
+
+
+def _history_engine(policy, method: str, work_dir):
+    from rollout.vllm import VLLMEngine, VLLMEngineConfig
+
+    return VLLMEngine(copy.deepcopy(policy), config=VLLMEngineConfig(work_dir=str(work_dir), max_model_len=512,
+                                                                     draft_method=method))
+
+
+@pytest.fixture(scope="module")
+def plain_vllm_tokens(policy, tmp_path_factory):
+    """vLLM without drafts at temperature 0: the reference the history methods must reproduce."""
+    eng = _history_engine(policy, "heads", tmp_path_factory.mktemp("vllm_plain"))
+    try:
+        sp = SamplingParams(max_new_tokens=40, temperature=0.0, ignore_eos=True)
+        return [c.tokens for c in eng.generate(_history_prompts(), sp).completions]
+    finally:
+        eng.close()
+
+
+def _assert_history_batch(engine, batch, plain_tokens=None) -> None:
+    """plain_tokens: greedy outputs must equal them and drafts must have been proposed and accepted."""
+    stats, per_request = engine.last_stats, batch.spec_stats()
+    if plain_tokens is not None:
+        assert [c.tokens for c in batch.completions] == plain_tokens          # lossless
+        assert stats.num_drafts > 0 and stats.num_accepted_tokens > 0
+    assert (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens, stats.accepted_per_pos) == \
+        (per_request.num_drafts, per_request.num_draft_tokens, per_request.num_accepted_tokens,
+         per_request.accepted_per_pos)                                       # vLLM's counters agree per request
+    for c in batch.completions:
+        assert len(c.entropies) == len(c.tokens) == 40
+        assert len(c.round_draft_tokens) == len(c.round_accepted) == len(c.draft_entropies)
+        assert all(1 <= d <= K for d in c.round_draft_tokens)
+        assert all(a <= d for a, d in zip(c.round_accepted, c.round_draft_tokens))
+        assert set(c.round_sources) <= {"history"}
+
+
+def test_ngram_drafts_without_heads_are_lossless(policy, plain_vllm_tokens, tmp_path):
+    """vLLM's prompt lookup as the drafter (no heads): greedy outputs equal plain vLLM's, drafts are proposed
+    and accepted; sampling at temperature 1 runs (this random model rarely repeats itself there)."""
+    engine = _history_engine(policy, "ngram", tmp_path)
+    try:
+        _assert_history_batch(engine, engine.generate(_history_prompts(), _sp(0.0, max_new_tokens=40)),
+                              plain_vllm_tokens)
+        _assert_history_batch(engine, engine.generate(_history_prompts(), _sp(1.0, "rejection", 40, seed=7)))
+        assert engine.num_starts == 1             # draft_mode does not apply to history drafts: no restart
+    finally:
+        engine.close()
+
+
+def test_suffix_drafts_are_lossless_and_learn_from_earlier_responses(policy, plain_vllm_tokens, tmp_path):
+    """vLLM's SuffixDecoding keeps earlier responses in the instance: a second call on the same prompts
+    drafts from the first call's responses and accepts more, with outputs still equal to plain vLLM's."""
+    pytest.importorskip("arctic_inference.suffix_decoding", reason="draft_method='suffix' needs arctic-inference")
+    engine = _history_engine(policy, "suffix", tmp_path)
+    try:
+        first = engine.generate(_history_prompts(), _sp(0.0, max_new_tokens=40))
+        _assert_history_batch(engine, first, plain_vllm_tokens)
+        second = engine.generate(_history_prompts(), _sp(0.0, max_new_tokens=40))
+        _assert_history_batch(engine, second, plain_vllm_tokens)
+        a, b = first.spec_stats(), second.spec_stats()
+        assert b.num_accepted_tokens > a.num_accepted_tokens and b.acceptance_length > a.acceptance_length, (a, b)
+        assert sum(len(c.round_accepted) for c in second.completions) < \
+            sum(len(c.round_accepted) for c in first.completions)             # fewer verification steps
+    finally:
+        engine.close()
+
+
+def test_draft_method_builds_vllm_speculative_config():
+    """Each draft_method maps onto vLLM's own SpeculativeConfig keys; bad settings name the key."""
+    from rollout.vllm import VLLMEngineConfig
+    from rollout.vllm.install import _speculative_config_class
+
+    fields = set(_speculative_config_class().__dataclass_fields__)
+    heads = VLLMEngineConfig().speculative_config(3, "rejection", "/d")
+    assert heads == {"method": "eagle", "model": "/d", "num_speculative_tokens": 3,
+                     "draft_sample_method": "probabilistic"}
+    ngram = VLLMEngineConfig(draft_method="ngram", ngram_min=1, ngram_max=4).speculative_config(3, "rejection", None)
+    assert ngram == {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 4}
+    suffix = VLLMEngineConfig(draft_method="suffix", suffix_max_cached_requests=0).speculative_config(5, "greedy", None)
+    assert suffix["method"] == "suffix" and suffix["suffix_decoding_max_cached_requests"] == 0
+    for spec in (heads, ngram, suffix):
+        assert set(spec) <= fields, set(spec) - fields
+    with pytest.raises(ValueError, match="draft_method must be one of"):
+        VLLMEngineConfig(draft_method="medusa")
+    with pytest.raises(ValueError, match="ngram_min / ngram_max"):
+        VLLMEngineConfig(draft_method="ngram", ngram_min=4, ngram_max=2)
+
+
+def test_suffix_without_arctic_inference_names_the_fix(monkeypatch, policy):
+    from rollout.vllm import VLLMEngine, VLLMEngineConfig
+
+    monkeypatch.setitem(sys.modules, "arctic_inference.suffix_decoding", None)   # import -> ImportError
+    with pytest.raises(ImportError, match="arctic-inference.*pip install"):
+        VLLMEngine(policy, config=VLLMEngineConfig(draft_method="suffix"))
+
+
+def test_kernel_registry_scan_survives_unscannable_modules(monkeypatch):
+    """vLLM's kernel registry scans every loaded module; llvmlite's `ffi.lib` (numba, loaded by the ngram
+    drafter) made that scan raise, so every later vLLM start in the process failed. The guard leaves such
+    modules out of the scan and puts them back."""
+    import types
+
+    from rollout.vllm.cpu_kernels import guard_kernel_registry
+    from vllm.triton_utils import dispatcher
+
+    class Unscannable:                         # like llvmlite's _lib_wrapper: __slots__ and a __getattr__
+        __slots__ = ()
+
+        def __getattr__(self, name):
+            return object()
+
+    module = types.ModuleType("fake_llvmlite_ffi")
+    module.lib = Unscannable()
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    if not getattr(dispatcher.register_kernels, "_skips_unscannable_modules", False):   # no engine started yet
+        with pytest.raises(AttributeError):
+            dispatcher.register_kernels({})
+    guard_kernel_registry()
+    guarded = dispatcher.register_kernels
+    guard_kernel_registry()
+    assert dispatcher.register_kernels is guarded                    # wrapped once
+    dispatcher.register_kernels({})
+    assert sys.modules[module.__name__] is module

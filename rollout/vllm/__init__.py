@@ -2,7 +2,7 @@
 
 Importing this package does not import vLLM; starting an engine does.
 """
-from rollout.vllm.engine import DRAFT_SAMPLE_METHODS, VLLMEngine, VLLMEngineConfig
+from rollout.vllm.engine import DRAFT_METHODS, DRAFT_SAMPLE_METHODS, VLLMEngine, VLLMEngineConfig
 from rollout.vllm.install import VLLM_FIX, require_vllm
 
-__all__ = ["DRAFT_SAMPLE_METHODS", "VLLMEngine", "VLLMEngineConfig", "VLLM_FIX", "require_vllm"]
+__all__ = ["DRAFT_METHODS", "DRAFT_SAMPLE_METHODS", "VLLMEngine", "VLLMEngineConfig", "VLLM_FIX", "require_vllm"]

