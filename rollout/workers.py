@@ -48,7 +48,8 @@ def _vllm_engine(policy: "CausalLM", heads: "MTPHeads | None", policy_version: i
                  config: "WorkerConfig") -> Engine:
     # lazy: vllm is an optional extra and slow to import
     module = importlib.import_module("rollout.vllm")
-    return module.VLLMEngine(policy, heads, policy_version=policy_version, head_version=head_version)
+    return module.VLLMEngine(policy, heads, policy_version=policy_version, head_version=head_version,
+                             config=module.VLLMEngineConfig(draft_method=config.vllm_draft_method))
 
 
 # engine name -> factory(policy, heads, policy_version, head_version, worker config)
@@ -67,6 +68,7 @@ class WorkerConfig:
     draft_lengths: str = "chosen"       # torch engine, k > 0: chosen = each row, each round, drafts 0..k tokens from
                                         # the source predicted to pay most; fixed = k head tokens for every row (studies)
     draft_sources: tuple[str, ...] = ("heads", "history")   # what `chosen` drafts from
+    vllm_draft_method: str = "heads"    # vLLM engine: heads, ngram or suffix (one method per engine, docs/vllm.md)
 
     def __post_init__(self) -> None:
         if self.num_workers < 1:
@@ -80,6 +82,8 @@ class WorkerConfig:
             raise ValueError(f"workers.engine {self.engine!r} unknown; choose from {sorted(ENGINES)}")
         if self.draft_lengths not in ("chosen", "fixed"):
             raise ValueError(f"workers.draft_lengths must be chosen or fixed, got {self.draft_lengths!r}")
+        if self.vllm_draft_method not in ("heads", "ngram", "suffix"):
+            raise ValueError(f"workers.vllm_draft_method must be heads, ngram or suffix, got {self.vllm_draft_method!r}")
         if not self.draft_sources or set(self.draft_sources) - {"heads", "history"}:
             raise ValueError(f"workers.draft_sources must be a non-empty subset of [heads, history], got "
                              f"{list(self.draft_sources)}")

@@ -126,6 +126,7 @@ def test_chunks_sample_with_distinct_seeds_and_a_retry_keeps_its_own():
     (lambda: CoTrainerConfig(num_gpus=-1), "num_gpus"), (lambda: CoTrainerConfig(feature_weight=-1.0), "feature_weight"),
     (lambda: WorkerConfig(draft_lengths="adaptive"), "draft_lengths"),
     (lambda: WorkerConfig(draft_sources=("heads", "ngram")), "draft_sources"),
+    (lambda: WorkerConfig(vllm_draft_method="medusa"), "vllm_draft_method"),
     (lambda: AcceleratorConfig(dtype="float8", monitor=MonitorConfig(out_dir="x")), "dtype"),
 ])
 def test_runtime_configs_reject_bad_values_when_built(make, match):
