@@ -58,6 +58,8 @@ COMPOSES = {
     ("experiments.common", "experiments.async_rl"),             # run_cell: a study's RL run
     ("experiments.entropy_ablation", "experiments.pretrain_heads"),   # each objective's heads
     ("experiments.bench_decode", "experiments.bench_vllm"),     # bench-decode --against vllm
+    # a result's measurement script: a task-only store through the builder's own code
+    ("experiments.results.heads_rg_smollm2.build_rg_store", "experiments.build_head_data"),
 }
 
 

@@ -31,6 +31,7 @@ import torch
 
 from mtp_heads.cotrainer import HEADS_NAME, STATE_NAME
 from rollout.fileio import atomic_write
+from rollout.models.flat_weights import own_storage
 from rollout.run_dir import truncate_to
 
 logger = logging.getLogger(__name__)
@@ -44,21 +45,10 @@ FORMAT = 2                                    # 1: no file sums (checked by load
 REQUIRED = ("trainer.pt", "heads.pt")
 
 
-def _own_storage(obj):
-    """Tensors unpacked from one flat weight buffer (rollout.models.flat_weights) are views of one byte storage
-    with different dtypes, which torch.save refuses: give each its own storage."""
-    if isinstance(obj, torch.Tensor):
-        return obj.clone()
-    if isinstance(obj, dict):
-        return {k: _own_storage(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_own_storage(v) for v in obj)
-    return obj
-
 
 def _torch_bytes(obj) -> bytes:
     buf = io.BytesIO()
-    torch.save(_own_storage(obj), buf)
+    torch.save(own_storage(obj), buf)
     return buf.getvalue()
 
 

@@ -58,6 +58,7 @@ from transformers import TrainerCallback
 from mtp_heads.cotrainer import HEADS_NAME, STATE_NAME
 from rollout.accelerator import RolloutAccelerator
 from rollout.fileio import atomic_write
+from rollout.models.flat_weights import own_storage
 from rollout.monitor import AcceptanceMonitor
 from rollout.monitor.step_stats import max_prob_stats
 from rollout.types import Completion, RolloutBatch, SamplingParams
@@ -333,16 +334,6 @@ def checkpoint_dir(args, global_step: int) -> Path:
     return Path(args.output_dir) / f"checkpoint-{global_step}"
 
 
-def _own_storage(obj):
-    """Unpacked tensors are views of one flat buffer with several dtypes, which torch.save refuses."""
-    if isinstance(obj, torch.Tensor):
-        return obj.clone()
-    if isinstance(obj, dict):
-        return {k: _own_storage(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_own_storage(v) for v in obj)
-    return obj
-
 
 def save_rollout_state(ckpt: Path, accel: RolloutAccelerator, *, calls: int, global_step: int) -> Path:
     """Write ckpt/ROLLOUT_STATE atomically: heads and version, co-trainer state (None if it is busy
@@ -362,7 +353,7 @@ def save_rollout_state(ckpt: Path, accel: RolloutAccelerator, *, calls: int, glo
              "cotrainer": cotrainer, "monitor_bytes": jsonl.stat().st_size if jsonl.exists() else 0,
              "monitor_state": mstate.read_bytes() if mstate.exists() else None}
     buf = io.BytesIO()
-    torch.save(_own_storage(state), buf)
+    torch.save(own_storage(state), buf)
     return atomic_write(Path(ckpt) / ROLLOUT_STATE, buf.getvalue())
 
 

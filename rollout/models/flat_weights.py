@@ -107,3 +107,15 @@ def policy_from_flat(config: ModelConfig, flat: FlatWeights, dtype: str = "float
                      device: str = "cpu") -> CausalLM:
     """A frozen CausalLM (rollout.models.decoder) holding the shipped weights."""
     return build_model(config, unpack(flat), parse_dtype(dtype), device)
+
+
+def own_storage(obj):
+    """Tensors unpacked from one flat weight buffer are views of one byte storage with different dtypes,
+    which torch.save refuses: give each its own storage (dicts, lists and tuples walked)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.clone()
+    if isinstance(obj, dict):
+        return {k: own_storage(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(own_storage(v) for v in obj)
+    return obj
