@@ -85,8 +85,9 @@ class DraftChooser:
         n = int(np.argmin(reach >= tau)) if (reach < tau).any() else len(reach)
         return n, acc[:n], float(reach[:n].sum())
 
-    def _heads_levels(self, entropy: float, h: int) -> np.ndarray:
-        return np.array([self.predictor.predict_marginal(HEADS, j, entropy) for j in range(1, h + 1)])
+    def _heads_levels(self, h: int) -> np.ndarray:
+        """The heads' (source, position) levels for positions 1..h: the same for every row of a round."""
+        return np.array([self.predictor.predict_marginal(HEADS, j) for j in range(1, h + 1)])
 
     # ------------------------------------------------------------------ before drafting
     def head_steps(self, bucket: int, view: RowView) -> int:
@@ -99,15 +100,15 @@ class DraftChooser:
         if self.rounds_without_heads >= self.probe_every:
             return 1
         tau = self.threshold(bucket, active.size)
-        hist = {int(b): self._history_option(view, int(b), tau) for b in active}
+        hist = [self._history_option(view, int(b), tau) for b in active]
+        reach_all = np.cumprod(self._heads_levels(self.k_max))
         best_h, best_rate = 0, None
         for h in range(self.k_max + 1):
             tokens, verified = float(active.size), bucket
-            for b in active:
-                n_hist, _, e_hist = hist[int(b)]
-                reach = np.cumprod(self._heads_levels(float(view.entropy[b]), h))
-                n_head = int((reach >= tau).sum()) if h else 0    # levels decrease along the chain
-                e_head = float(reach[:n_head].sum()) if h else 0.0
+            reach = reach_all[:h]
+            n_head = int((reach >= tau).sum())                    # levels decrease along the chain
+            e_head = float(reach[:n_head].sum())
+            for n_hist, _, e_hist in hist:
                 if e_head > e_hist:
                     tokens, verified = tokens + e_head, verified + n_head
                 else:
@@ -127,8 +128,9 @@ class DraftChooser:
         active = np.flatnonzero(view.active)
         probe = head_steps > 0 and self.rounds_without_heads >= self.probe_every
         probe_history = (not probe and self.use_history and self.rounds_without_history >= self.probe_every
-                         and any(view.history_tokens[int(b)] for b in active))
+                         and bool(view.history_tokens) and any(view.history_tokens[int(b)] for b in active))
         tau = self.threshold(bucket, max(active.size, 1))
+        levels = self._heads_levels(head_steps)
         for b in active:
             b = int(b)
             n_hist, acc_hist, e_hist = self._history_option(view, b, tau)
@@ -141,7 +143,7 @@ class DraftChooser:
                 # the source is chosen on what was known before the first head token was drawn (its
                 # distribution's feature, and the levels of the positions after it), not on positions
                 # drafted from it
-                before = np.cumprod(np.concatenate([acc_head[:1], self._heads_levels(entropy, head_steps)[1:]]))
+                before = np.cumprod(np.concatenate([acc_head[:1], levels[1:]]))
                 e_head = float(before[:int(np.argmin(before >= tau)) if (before < tau).any() else head_steps].sum())
                 if probe:
                     n_head, e_head = max(n_head, 1), max(e_head, float(acc_head[0]))

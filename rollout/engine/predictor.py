@@ -82,7 +82,7 @@ class AcceptancePredictor:
         fb, eb, mb = feature_bin(features), int(entropy_bin(entropy)), int(match_bin(match))
         return np.array([self.estimate(source, j + 1, int(fb[j]), eb, mb) for j in range(len(fb))])
 
-    def predict_marginal(self, source: int, position: int, entropy: float) -> float:
+    def predict_marginal(self, source: int, position: int) -> float:
         """Acceptance at `position` before the features are known (heads before drafting): the
         (source, position) level."""
         c = self._cells.get((source, position))
@@ -111,5 +111,5 @@ class AcceptancePredictor:
 
     def levels(self) -> dict[str, list[float]]:
         """Per source, the (source, position) estimates: what the monitor shows."""
-        return {name: [round(self.predict_marginal(s, j, 0.0), 4) for j in range(1, self.k_max + 1)]
+        return {name: [round(self.predict_marginal(s, j), 4) for j in range(1, self.k_max + 1)]
                 for s, name in enumerate(SOURCES)}
