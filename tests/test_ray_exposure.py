@@ -127,26 +127,32 @@ def ray_processes(pid: int) -> list[psutil.Process]:
 def kill9_leaves_no_ray(proc: subprocess.Popen, ready, timeout_s: float = 240, within_s: float = 30) -> None:
     """Wait until ready(ray processes of proc) (the driver's Ray is up and its actors started), let
     the guard record them, kill -9 the driver, and assert every Ray process it had is gone within
-    within_s seconds (Ray alone leaves them running for minutes), and so is the guard's record."""
-    deadline = time.monotonic() + timeout_s
-    while not ready(ray_processes(proc.pid)):
-        assert proc.poll() is None, f"the driver exited early: {proc.stdout.read() if proc.stdout else ''}"
-        assert time.monotonic() < deadline, "the driver's Ray did not come up in time"
-        time.sleep(0.2)
-    time.sleep(2.5)                                       # the guard records every second
-    procs = ray_processes(proc.pid)
-    os.kill(proc.pid, signal.SIGKILL)
-    proc.wait()
-    _, alive = psutil.wait_procs(procs, timeout=within_s)
+    within_s seconds (Ray alone leaves them running for minutes), and so is the guard's record.
+    The driver is killed on every way out, a failed wait included."""
     try:
-        assert not alive, f"Ray processes outlived the killed driver: {[(p.pid, p.name()) for p in alive]}"
-        deadline = time.monotonic() + 10
-        while (ray_guard.records_dir() / f"{proc.pid}.json").exists() and time.monotonic() < deadline:
+        deadline = time.monotonic() + timeout_s
+        while not ready(ray_processes(proc.pid)):
+            assert proc.poll() is None, f"the driver exited early: {proc.stdout.read() if proc.stdout else ''}"
+            assert time.monotonic() < deadline, "the driver's Ray did not come up in time"
             time.sleep(0.2)
-        assert not (ray_guard.records_dir() / f"{proc.pid}.json").exists()
+        time.sleep(2.5)                                       # the guard records every second
+        procs = ray_processes(proc.pid)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+        _, alive = psutil.wait_procs(procs, timeout=within_s)
+        try:
+            assert not alive, f"Ray processes outlived the killed driver: {[(p.pid, p.name()) for p in alive]}"
+            deadline = time.monotonic() + 10
+            while (ray_guard.records_dir() / f"{proc.pid}.json").exists() and time.monotonic() < deadline:
+                time.sleep(0.2)
+            assert not (ray_guard.records_dir() / f"{proc.pid}.json").exists()
+        finally:
+            for p in alive:
+                p.kill()
     finally:
-        for p in alive:
-            p.kill()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
 
 
 def has_actor(prefix: str):

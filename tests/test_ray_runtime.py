@@ -381,9 +381,4 @@ def test_python_api_driver_killed_leaves_no_ray(tmp_path):
     proc = subprocess.Popen([sys.executable, "-c", script], cwd=ROOT, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, "PYTHONPATH": str(ROOT), "RAY_ADDRESS": "local"})
-    try:
-        kill9_leaves_no_ray(proc, has_actor("ray::RolloutWor"))
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+    kill9_leaves_no_ray(proc, has_actor("ray::RolloutWor"))

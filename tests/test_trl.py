@@ -365,12 +365,7 @@ def test_trl_grpo_killed_leaves_no_ray(tiny, tmp_path):
                              *job_args(hf_dir, tmp_path / "run", "trl.max_steps=50", "checkpoint_every=0")],
                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, "PYTHONPATH": str(ROOT), "RAY_ADDRESS": "local"})
-    try:
-        kill9_leaves_no_ray(proc, has_actor("ray::RolloutWor"))
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+    kill9_leaves_no_ray(proc, has_actor("ray::RolloutWor"))
 
 
 def readme_trl_snippet() -> str:
