@@ -363,7 +363,9 @@ def _train(cfg: RunConfig, policy: Policy, heads: MTPHeads | None, run_dir: Path
                        **evaluation,
                        "temperature": cfg.sampling.temperature.at(step, steps), "train": stats,
                        "rollout_wait_s": wait_s, "train_s": time.perf_counter() - t1,
-                       "rollout_s": batch.wall_time_s, "policy_version": step + 1}
+                       "rollout_s": batch.wall_time_s, "rollout_tokens": batch.num_tokens,
+                       "rollout_plain_estimate_s": finite_or_none(batch.plain_estimate_s),
+                       "policy_version": step + 1}
                 log.write(json.dumps(row) + "\n")
                 log.flush()
                 if checkpoint:
@@ -375,17 +377,37 @@ def _train(cfg: RunConfig, policy: Policy, heads: MTPHeads | None, run_dir: Path
                 bar.set_postfix(reward=_fmt(row["reward"]), H=_fmt(rec.get("entropy_drafted")),
                                 acc=_fmt(rec.get("acceptance_rate")), tau=_fmt(rec.get("acceptance_length")),
                                 slope=_fmt((rec.get("slope_step_run") or {}).get("slope")),
+                                spec=_fmt(rec.get("speedup_estimate")),
                                 **{k: _fmt(v) for k, v in evaluation.items()})
         head_version = accel.head_version
     finally:
         prefetch.close()
         accel.shutdown()
     print(f"steps {start}..{steps - 1} finished in {time.perf_counter() - t_start:.0f}s")
+    print(rollout_speed(read_jsonl(run_dir / "rl.jsonl")))
     if lost_at is None:
         return None
     return (f"gone since step {lost_at}: it died and its accelerator.cotrainer.max_restarts="
             f"{cfg.accelerator.cotrainer.max_restarts} restarts were used up, so the heads stayed at version "
             f"{head_version} (its errors are in {run_dir / 'monitor.jsonl'})")
+
+
+def finite_or_none(x: float) -> float | None:
+    return x if math.isfinite(x) else None
+
+
+def rollout_speed(rows: list[dict]) -> str:
+    """The summary's line on rollout speed: tokens/s over the run's steps, and how much faster than
+    plain decoding, by the engine's own estimate of plain rounds (docs/rl-job.md says how close
+    that estimate came to a plain run)."""
+    tokens = sum(r.get("rollout_tokens", 0) for r in rows)
+    seconds = sum(r["rollout_s"] for r in rows)
+    line = f"rollouts: {tokens} tokens in {seconds:.0f}s of generate ({tokens / seconds:.1f} tok/s)" \
+        if seconds > 0 else "rollouts: none timed"
+    plain = [r.get("rollout_plain_estimate_s") for r in rows]
+    if seconds > 0 and plain and all(p is not None for p in plain):
+        line += f"; plain decoding would take an estimated {sum(plain):.0f}s: speculation {sum(plain) / seconds:.2f}x"
+    return line
 
 
 def cotrainer_lost(cfg: RunConfig, accel: RolloutAccelerator) -> bool:

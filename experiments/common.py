@@ -80,6 +80,9 @@ def run_cell(cfg, name: str, overrides: list[str], out: Path) -> Path:
     return run_dir
 
 
+DRAFTING_TOTALS = ("plain_token_share", "draft_length")   # monitor `drafting` keys that are not sources
+
+
 def slope_fields(d: dict | None) -> dict:
     """A monitor record's slope block as floats (JSON null -> nan) and its n."""
     d = d or {}
@@ -118,7 +121,25 @@ def summarize_run(run_dir: Path, records: list[dict] | None = None) -> dict:
             **summarize_group(steps),
             "domains": {d: summarize_group([s["domains"][d] for s in steps if d in s.get("domains", {})])
                         for d in domains},
-            "points": [{"entropy": s.get("entropy_drafted"), "acceptance": s.get("acceptance_rate")} for s in steps]}
+            "points": [{"entropy": s.get("entropy_drafted"), "acceptance": s.get("acceptance_rate")} for s in steps],
+            "by_source": by_source(steps)}
+
+
+def by_source(steps: list[dict]) -> dict:
+    """Per draft source over a run's steps: drafted and accepted tokens, acceptance rate, share of the
+    emitted tokens, and the last step's cumulative acceptance-vs-entropy slope (rollout.monitor)."""
+    out = {}
+    emitted = sum(s.get("num_tokens", 0) for s in steps)
+    for src in dict.fromkeys(x for s in steps for x in (s.get("drafting") or {}) if x not in DRAFTING_TOTALS):
+        blocks = [s["drafting"][src] for s in steps if isinstance((s.get("drafting") or {}).get(src), dict)]
+        drafted = sum(b.get("draft_tokens") or 0 for b in blocks)
+        accepted = sum(b.get("accepted_tokens") or 0 for b in blocks)
+        slopes = [s["slope_by_source"][src]["cum"] for s in steps if src in (s.get("slope_by_source") or {})]
+        out[src] = {"draft_tokens": drafted, "accepted_tokens": accepted,
+                    "acceptance_rate": accepted / drafted if drafted else math.nan,
+                    "token_share": accepted / emitted if emitted else math.nan,
+                    "slope_cum": slope_fields(slopes[-1]) if slopes else slope_fields(None)}
+    return out
 
 
 def fmt_num(x, spec: str = ".3f") -> str:

@@ -1,4 +1,5 @@
-"""`mtp-rollout ablate`: Bebop's grid, draft mode x head objective, over async RL runs whose entropy rises.
+"""`mtp-rollout ablate`: Bebop's grid, drafter source x draft mode x head objective, over async RL runs whose
+entropy rises.
 
     mtp-rollout ablate                                     # configs/ablation.yaml: SmolLM2, the full grid
     mtp-rollout ablate configs/ablation_tiny.yaml          # the small setting CI runs (tiny model, minutes)
@@ -8,8 +9,12 @@
 For every objective the heads are trained once, from the same initialisation, data, tokens and steps
 (`mtp-rollout train-heads` with one phase of that objective), and every (draft mode, objective) cell
 runs the RL job (`mtp-rollout run`) with those heads while the co-trainer refreshes them with the
-same objective. One plain-decoding run (k = 0, no co-trainer) is the speed baseline. Per cell: the
-slope of acceptance on entropy across steps and across draft positions (entropy-binned, cumulative)
+same objective. The drafter-source axis (`draft_sources`) says what drafts in those runs: `heads`
+(every row drafts k head tokens each round: the heads' own acceptance-vs-entropy slope), `chosen`
+(the engine's default: each row, each round, drafts 0..k tokens from the heads or rollout history,
+by predicted acceptance) and `history` (drafts copied from earlier rollouts only: one cell, since it
+has no heads, objective or draft mode). One plain-decoding run (k = 0, no co-trainer) is the speed
+baseline. Per cell: the slope of acceptance on entropy across steps and across draft positions (entropy-binned, cumulative)
 with 95% bootstrap intervals (rollout.monitor), mean acceptance rate, acceptance length, rollout
 speed over plain decoding, and the same per task domain. Entropy rises because the RL preset ramps
 the sampling temperature and the entropy bonus over the run (configs/async_rl.yaml).
@@ -49,6 +54,7 @@ class AblationConfig:
 
     objectives: list[str] = field(default_factory=lambda: ["ce", "fkl", "tv", "tv_e2e"])  # head losses
     draft_modes: list[str] = field(default_factory=lambda: ["greedy", "rejection"])       # greedy and/or rejection
+    draft_sources: list[str] = field(default_factory=lambda: ["heads"])   # what drafts: heads | chosen | history
     heads_config: str = "heads_smollm2"   # train-heads preset (configs/<name>.yaml) or a YAML path
     heads_overrides: list[str] = field(default_factory=list)   # key=value overrides of every head training
                                                                # (same for all objectives)
@@ -67,6 +73,10 @@ class AblationConfig:
         for objective in self.objectives:
             check_objective(objective)
         check_draft_modes(self.draft_modes)
+        bad = [x for x in self.draft_sources if x not in SOURCE_OVERRIDES]
+        if not self.draft_sources or bad or len(set(self.draft_sources)) != len(self.draft_sources):
+            raise ValueError(f"draft_sources must list each of {list(SOURCE_OVERRIDES)} at most once, got "
+                             f"{list(self.draft_sources)}")
         if self.head_steps < 1 or not self.head_lr > 0:
             raise ValueError(f"need head_steps >= 1 and head_lr > 0, got {self.head_steps}, {self.head_lr}")
         for key, entries in (("heads_overrides", self.heads_overrides), ("rl", self.rl)):
@@ -85,9 +95,24 @@ class AblationConfig:
             except ValueError as e:
                 raise ValueError(f"head training of objective {objective!r} ({self.heads_config} + "
                                  f"heads_overrides): {e}") from None
-        cells = {f"{mode}-{o}": cell_overrides(o, mode, objective_heads_path(Path(self.out_dir), o))
-                 for o in self.objectives for mode in self.draft_modes}
+        cells = {name: overrides for name, overrides, _ in self.cells()}
         check_cells(self.rl_config, self.rl, {**({PLAIN: PLAIN_OVERRIDES} if self.plain_baseline else {}), **cells})
+
+    def cells(self) -> list[tuple[str, list[str], dict]]:
+        """(run name, overrides, record labels) of every cell, in run order: per objective its heads'
+        cells (trained once, then shared), the history cell last."""
+        out = []
+        for objective in self.objectives:
+            heads_path = objective_heads_path(Path(self.out_dir), objective)
+            for source in (x for x in self.draft_sources if x != HISTORY):
+                for mode in self.draft_modes:
+                    name = f"{mode}-{objective}" if source == "heads" else f"{source}-{mode}-{objective}"
+                    out.append((name, [*cell_overrides(objective, mode, heads_path), *SOURCE_OVERRIDES[source]],
+                                {"draft_source": source, "draft_mode": mode, "objective": objective}))
+        if HISTORY in self.draft_sources:
+            out.append((HISTORY, SOURCE_OVERRIDES[HISTORY], {"draft_source": HISTORY, "draft_mode": "-",
+                                                             "objective": "-"}))
+        return out
 
 
 
@@ -127,6 +152,13 @@ def cell_overrides(objective: str, mode: str, heads_path: Path) -> list[str]:
 
 
 PLAIN_OVERRIDES = ["heads=init", "sampling.num_draft_tokens=0", "accelerator.cotrainer.enabled=false"]
+HISTORY = "history"
+SOURCE_OVERRIDES = {     # draft source -> the RL run's overrides (on top of the cell's heads, mode and loss)
+    "heads": ["accelerator.workers.draft_lengths=fixed"],
+    "chosen": ["accelerator.workers.draft_lengths=chosen", "accelerator.workers.draft_sources=[heads,history]"],
+    HISTORY: ["heads=init", "accelerator.workers.draft_lengths=chosen", "accelerator.workers.draft_sources=[history]",
+              "accelerator.cotrainer.enabled=false"],
+}
 
 
 # ----------------------------------------------------------------------------------- results
@@ -156,38 +188,52 @@ def _ci(f: dict) -> str:
     return f"{f['slope']:+.3f} [{f['ci_low']:+.3f}, {f['ci_high']:+.3f}]"
 
 
+def _cell(r: dict) -> str:
+    """A table row's first three columns: drafter, draft mode, objective."""
+    return f"| {r['draft_source']} | {r['draft_mode']} | {r['objective']} |"
+
+
 def tables(records: list[dict]) -> str:
-    head = ("| draft mode | objective | steps | entropy first -> last | acceptance rate | acceptance length "
+    head = ("| drafter | draft mode | objective | steps | entropy first -> last | acceptance rate | acceptance length "
             "| slope per step [95% CI] | slope per position [95% CI] | speedup vs plain | reward first -> last "
             "| heads' held-out acceptance pos 1 / 2 / 3 (teacher-forced) |")
-    lines = ["## Cells", "", head, "|" + "---|" * 11]
+    lines = ["## Cells", "", head, "|" + "---|" * 12]
     for r in records:
-        lines.append(f"| {r['draft_mode']} | {r['objective']} | {r['steps']} | {fmt_num(r['entropy_first'])} -> "
+        lines.append(f"{_cell(r)} {r['steps']} | {fmt_num(r['entropy_first'])} -> "
                      f"{fmt_num(r['entropy_last'])} | {fmt_num(r['acceptance_rate'])} | "
                      f"{fmt_num(r['acceptance_length'], '.2f')} | {_ci(r['slope_step'])} | {_ci(r['slope_position'])} "
                      f"| {fmt_num(r['speedup'], '.2f')}x | {fmt_num(r['reward_first'], '.2f')} -> "
                      f"{fmt_num(r['reward_last'], '.2f')} | {_heldout_cell(r)} |")
+    lines += ["", "## Per draft source", "",
+              "Where each cell's drafts came from (with `chosen`, each row each round picks the heads, history or "
+              "nothing).", "",
+              "| drafter | draft mode | objective | source | drafted tokens | acceptance rate | share of tokens "
+              "| slope on entropy, all steps [95% CI] |", "|" + "---|" * 8]
+    for r in records:
+        for src, g in r.get("by_source", {}).items():
+            lines.append(f"{_cell(r)} {src} | {g['draft_tokens']} | {fmt_num(g['acceptance_rate'])} | "
+                         f"{fmt_num(g['token_share'])} | {_ci(g['slope_cum'])} |")
     lines += ["", "## Per task domain", "",
-              "| draft mode | objective | domain | acceptance rate | acceptance length | slope per step [95% CI] "
-              "| slope per position [95% CI] |", "|" + "---|" * 7]
+              "| drafter | draft mode | objective | domain | acceptance rate | acceptance length "
+              "| slope per step [95% CI] | slope per position [95% CI] |", "|" + "---|" * 8]
     for r in records:
         for d, g in r["domains"].items():
-            lines.append(f"| {r['draft_mode']} | {r['objective']} | {d} | {fmt_num(g['acceptance_rate'])} | "
+            lines.append(f"{_cell(r)} {d} | {fmt_num(g['acceptance_rate'])} | "
                          f"{fmt_num(g['acceptance_length'], '.2f')} | {_ci(g['slope_step'])} | "
                          f"{_ci(g['slope_position'])} |")
     return "\n".join(lines) + "\n"
 
 
 def plot_ablation(path: Path, records: list[dict]) -> None:
-    """The ablation's figure: one panel per draft mode, one colour per head objective; each RL
+    """The ablation's figure: one panel per (drafter, draft mode), one colour per head objective; each RL
     step is a point (mean entropy at reached draft positions, acceptance rate), with the cell's
     across-step slope and its 95% interval in the legend."""
-    modes = list(dict.fromkeys(r["draft_mode"] for r in records))
+    panels = list(dict.fromkeys(_panel(r) for r in records))
     objectives = list(dict.fromkeys(r["objective"] for r in records))
-    fig, axes = mode_panels(len(modes))
+    fig, axes = mode_panels(len(panels))
     colors = {o: f"C{i % 10}" for i, o in enumerate(objectives)}
-    for ax, mode in zip(axes[0], modes):
-        for r in (r for r in records if r["draft_mode"] == mode):
+    for ax, mode in zip(axes[0], panels):
+        for r in (r for r in records if _panel(r) == mode):
             x, y = column(r["points"], "entropy"), column(r["points"], "acceptance")
             ok = np.isfinite(x) & np.isfinite(y)
             fit = fit_from_dict(r.get("slope_step"))
@@ -202,9 +248,16 @@ def plot_ablation(path: Path, records: list[dict]) -> None:
     save_png(fig, path)
 
 
+def _panel(r: dict) -> str:
+    """A figure panel's title: the draft mode, after the drafter where that is not the heads alone."""
+    if r["draft_source"] == HISTORY:
+        return "history"
+    return r["draft_mode"] if r["draft_source"] == "heads" else f"{r['draft_source']}: {r['draft_mode']}"
+
+
 def write_results(out: Path, records: list[dict], results_dir: str) -> None:
     write_study_results(out, "ablation", records, tables(records), plot_ablation,
-                        ("domains", "points", "heads_heldout"), results_dir)
+                        ("domains", "points", "heads_heldout", "by_source"), results_dir)
 
 
 def run(cfg: AblationConfig, resolved: str) -> list[dict]:
@@ -214,16 +267,16 @@ def run(cfg: AblationConfig, resolved: str) -> list[dict]:
         write_resolved(resolved, out)
         plain = summarize_run(run_cell(cfg, PLAIN, PLAIN_OVERRIDES, out)) if cfg.plain_baseline else None
         records = []
-        for objective in cfg.objectives:                          # ---- the driver loop ----
-            heads_path = train_objective_heads(cfg, objective, out)
-            for mode in cfg.draft_modes:
-                rec = summarize_run(run_cell(cfg, f"{mode}-{objective}", cell_overrides(objective, mode, heads_path),
-                                             out))
-                rec = {"draft_mode": mode, "objective": objective, "heads_path": str(heads_path), **rec,
-                       "speedup": rec["rollout_tok_s"] / plain["rollout_tok_s"] if plain else math.nan,
-                       "heads_heldout": heads_heldout(heads_path, mode)}
-                records.append(rec)
-                write_results(out, records, cfg.results_dir)      # after every cell: a partial grid is readable
+        for name, overrides, labels in cfg.cells():              # ---- the driver loop ----
+            heads_path = None
+            if labels["draft_source"] != HISTORY:
+                heads_path = train_objective_heads(cfg, labels["objective"], out)   # once per objective
+            rec = summarize_run(run_cell(cfg, name, overrides, out))
+            rec = {**labels, "heads_path": str(heads_path or ""), **rec,
+                   "speedup": rec["rollout_tok_s"] / plain["rollout_tok_s"] if plain else math.nan,
+                   "heads_heldout": heads_heldout(heads_path, labels["draft_mode"]) if heads_path else {}}
+            records.append(rec)
+            write_results(out, records, cfg.results_dir)          # after every cell: a partial grid is readable
     print(tables(records))
     print(f"out_dir {out}: " + ", ".join(RESULTS))
     return records

@@ -101,6 +101,7 @@ class RolloutAccelerator:
         self._cotrainer = self._new_cotrainer_client() if cfg.cotrainer.enabled else None
         self._step_completions: list[Completion] = []
         self._step_wall_s = 0.0
+        self._step_plain_s = 0.0           # the same calls decoded plainly, as the engines estimate it
 
     def _new_cotrainer_client(self) -> CoTrainerClient:
         return CoTrainerClient(self.cfg.cotrainer, self._weights, seed=self.cfg.seed, lock=self._lock,
@@ -179,14 +180,18 @@ class RolloutAccelerator:
         if not prompts:
             raise ValueError("prompts is empty: pass at least one prompt (a list of token ids)")
         t0 = time.perf_counter()
-        comps = self._pool.generate(prompts, sampling).completions
+        pooled = self._pool.generate(prompts, sampling)
+        comps = pooled.completions
         if domains is not None:
             for comp, dom in zip(comps, domains):
                 comp.domain = dom
-        batch = RolloutBatch(comps, wall_time_s=time.perf_counter() - t0)
+        wall = time.perf_counter() - t0
+        batch = RolloutBatch(comps, wall_time_s=wall,   # the engines' plain estimate + what Ray added around them
+                             plain_estimate_s=wall - pooled.wall_time_s + pooled.plain_estimate_s)
         with self._lock:
             self._step_completions.extend(comps)
             self._step_wall_s += batch.wall_time_s
+            self._step_plain_s += batch.plain_estimate_s
             if self._cotrainer is not None:   # fire and forget: never waits on the co-trainer
                 self._cotrainer.add_rollouts([(c.prompt, c.tokens) for c in comps])
         return batch
@@ -198,12 +203,12 @@ class RolloutAccelerator:
         if self._cotrainer is not None:
             self._cotrainer.poll(step)
         with self._lock:
-            comps, wall = self._step_completions, self._step_wall_s
-            self._step_completions, self._step_wall_s = [], 0.0
+            comps, wall, plain = self._step_completions, self._step_wall_s, self._step_plain_s
+            self._step_completions, self._step_wall_s, self._step_plain_s = [], 0.0, 0.0
         if not comps:
             logger.warning("end_step(%d): no generate() since the last end_step; nothing recorded", step)
             return {"step": step, "num_completions": 0}
-        rec = self.monitor.record_step(step, RolloutBatch(comps, wall_time_s=wall),
+        rec = self.monitor.record_step(step, RolloutBatch(comps, wall_time_s=wall, plain_estimate_s=plain),
                                        extra=extra_metrics)
         if self._cotrainer is not None:
             self._cotrainer.observe(StepObservation(step, mean_entropy(comps), RolloutBatch(comps).spec_stats()

@@ -108,6 +108,7 @@ class TorchEngine:
         history = self._history() if chooser is not None and chooser.use_history else None
         ctx, st, results = self._prefill(prompts, sampling, heads_needed=chooser is None or chooser.use_heads)
         handles = history.begin_call(prompts, self.policy_version) if history is not None else None
+        prefill_s = time.perf_counter() - t0
         records: list[RoundResult] = []
         n_active = len(prompts)
         try:
@@ -143,6 +144,11 @@ class TorchEngine:
         batch = completions_mod.build(prompts, results, records, sampling, self.policy_version, self.head_version)
         batch.wall_time_s = time.perf_counter() - t0
         batch.compile_time_s = self.forwards.compile_time_s - compile_before
+        if k_max == 0:
+            batch.plain_estimate_s = batch.wall_time_s
+        elif chooser is not None:   # the prefill's first token is every row's; the rest take rounds
+            batch.plain_estimate_s = prefill_s + chooser.costs.plain_decode_seconds(
+                [max(0, len(c.tokens) - 1) for c in batch.completions], self.config.batch_buckets)
         return batch
 
     def _row_view(self, st: DecodeState, history: RolloutHistory | None, handles: list[int] | None,

@@ -213,6 +213,9 @@ class RolloutBatch:
     completions: list[Completion]
     wall_time_s: float = 0.0
     compile_time_s: float = 0.0         # part of wall_time_s spent compiling (torch engine)
+    # what the same call would have taken decoding plainly, from the engine's round-cost model
+    # (torch engine with per-row drafting; plain calls: wall_time_s; nan where it cannot tell)
+    plain_estimate_s: float = float("nan")
 
     @property
     def nonfinite_draft_rounds(self) -> int:

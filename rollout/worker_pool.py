@@ -128,7 +128,8 @@ class WorkerPool:
                 comp = completions[i]
                 self._recent[slots[c]].append((comp.prompt, comp.tokens, comp.policy_version))
         return RolloutBatch(completions, wall_time_s=max(r.wall_time_s for r in results.values()),
-                            compile_time_s=max(r.compile_time_s for r in results.values()))
+                            compile_time_s=max(r.compile_time_s for r in results.values()),
+                            plain_estimate_s=max_or_nan([r.plain_estimate_s for r in results.values()]))
 
     def _submit(self, slot: int, prompts: list[list[int]], idx: list[int], sampling: SamplingParams, chunk: int):
         return self.workers[slot].generate.remote([prompts[i] for i in idx], chunk_sampling(sampling, chunk))
@@ -146,3 +147,8 @@ class WorkerPool:
         for w in self.workers:
             ray.kill(w)
         self.workers = []
+
+
+def max_or_nan(values: list[float]) -> float:
+    """The slowest worker's figure, or nan if any worker could not tell."""
+    return max(values) if all(math.isfinite(v) for v in values) else float("nan")

@@ -1,5 +1,5 @@
 """`mtp-rollout ablate` in its small setting (configs/ablation_tiny.yaml): the tiny random model, so
-it checks the machinery — every cell of draft mode x objective trained, run and summarised, results
+it checks the machinery — every cell of drafter x draft mode x objective trained, run and summarised, results
 written, finished parts reused — not the science (that is the full grid on SmolLM2)."""
 import json
 import math
@@ -13,6 +13,7 @@ from trainers.config import load_run_config
 
 ROOT = Path(__file__).resolve().parents[1]
 OBJECTIVES = ["ce", "fkl", "tv", "tv_e2e", "tv_top64"]
+MODES = ("greedy", "rejection")
 
 
 @pytest.fixture(scope="module")
@@ -30,25 +31,36 @@ def grid(tmp_path_factory):
 def test_every_cell_is_filled(grid):
     out, _ = grid
     records = json.loads((out / "ablation.json").read_text())
-    assert [(r["draft_mode"], r["objective"]) for r in records] == \
-        [(m, o) for o in OBJECTIVES for m in ("greedy", "rejection")]
+    assert [(r["draft_source"], r["draft_mode"], r["objective"]) for r in records] == \
+        [(s, m, o) for o in OBJECTIVES for s in ("heads", "chosen") for m in MODES] + [("history", "-", "-")]
     for r in records:
         assert r["steps"] == 2 and r["tokens"] > 0 and r["rollout_s"] > 0
         assert 0 <= r["acceptance_rate"] <= 1 and r["acceptance_length"] >= 1
         assert math.isfinite(r["speedup"]) and r["speedup"] > 0
         assert r["domains"] and len(r["points"]) == 2
+        assert set(r["slope_step"]) == set(r["slope_position"]) == {"slope", "intercept", "r2", "ci_low", "ci_high", "n"}
+        run = out / "runs" / {"heads": f"{r['draft_mode']}-{r['objective']}", "history": "history"}.get(
+            r["draft_source"], f"{r['draft_source']}-{r['draft_mode']}-{r['objective']}")
+        cfg = load_run_config([str(run / "config.yaml")])[0]
+        drafted = {src: g["draft_tokens"] for src, g in r["by_source"].items()}
+        if r["draft_source"] == "history":          # history alone: no heads, no co-trainer
+            assert cfg.accelerator.workers.draft_sources == ("history",) and not cfg.accelerator.cotrainer.enabled
+            assert drafted["history"] > 0 and drafted.get("heads", 0) == 0 and r["heads_heldout"] == {}
+            continue
         held = r["heads_heldout"]      # the heads' own held-out evaluation in this draft mode, per temperature
         assert held and all(len(v["per_position"]) == 3 and v["tau"] >= 1 for v in held.values())
-        assert set(r["slope_step"]) == set(r["slope_position"]) == {"slope", "intercept", "r2", "ci_low", "ci_high", "n"}
-        run = out / "runs" / f"{r['draft_mode']}-{r['objective']}"
-        cfg = (run / "config.yaml").read_text()
-        assert f"draft_mode: {r['draft_mode']}" in cfg and f"loss: {r['objective']}" in cfg
+        assert cfg.sampling.draft_mode == r["draft_mode"] and cfg.accelerator.cotrainer.loss == r["objective"]
+        assert cfg.accelerator.workers.draft_lengths == ("fixed" if r["draft_source"] == "heads" else "chosen")
+        assert drafted["heads"] > 0
+        if r["draft_source"] == "heads":            # fixed lengths draft from the heads only
+            assert drafted.get("history", 0) == 0
     # each objective's heads were trained once, with that objective, the same steps, and shared by both modes
     for objective in OBJECTIVES:
         meta = read_meta(out / "heads" / objective / "heads.safetensors")
         assert meta.loss.startswith(objective) and meta.steps == 3
     md = (out / "ablation.md").read_text()
-    assert md.count("\n| greedy |") + md.count("\n| rejection |") >= 10 + 10   # cells + per-domain rows
+    assert md.count("\n| heads | greedy |") + md.count("\n| heads | rejection |") >= 10 + 10   # cells + per-domain rows
+    assert "\n| history | - | - | history |" in md                               # the per-source table
     csv_lines = (out / "ablation.csv").read_text().strip().splitlines()
     assert len(csv_lines) == 1 + len(records) and "speedup" in csv_lines[0]
     assert (out / "ablation.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -68,7 +80,7 @@ def test_a_rerun_reuses_finished_heads_and_runs(grid):
 
 @pytest.mark.parametrize("override, named", [
     ("objectives=[tv,nope]", "nope"), ("draft_modes=[sampled]", "sampled"), ("head_steps=0", "head_steps"),
-    ("rl=[steps]", "key=value"), ("objectives=[]", "objectives"),
+    ("rl=[steps]", "key=value"), ("objectives=[]", "objectives"), ("draft_sources=[heads,suffix]", "draft_sources"),
 ])
 def test_bad_input_is_refused_naming_the_key(override, named, tmp_path):
     with pytest.raises(ValueError, match=named):

@@ -172,3 +172,49 @@ def test_history_unverified_for_probe_every_rounds_is_probed():
     assert reasons.count("probe_history") == 2 and reasons[4] == "probe_history"
     probe = [p for p in (chooser.assign(8, view, 0, None) for _ in range(5)) if p.reason == "probe_history"][0]
     assert (probe.source == HISTORY).all() and (probe.num_drafts >= 1).all()
+
+
+def _costs_with_overhead(bucket=8, plain=0.1, overhead=0.03, per_token=0.002, per_head=0.005):
+    """Rounds of a machine where any drafting round pays `overhead` s beyond a plain round of the same width."""
+    costs = RoundCostModel()
+    for _ in range(20):
+        costs.observe(bucket, bucket, 0, plain)
+        for n, h in ((bucket + 4, 0), (2 * bucket, 1), (3 * bucket, 2), (bucket + 2, 1)):
+            costs.observe(bucket, n, h, plain + overhead + per_token * (n - bucket) + per_head * h)
+    return costs
+
+
+def test_cost_model_prices_plain_rounds_apart_from_drafting_rounds():
+    costs = _costs_with_overhead()
+    assert costs.seconds(8, 8, 0) == pytest.approx(0.1)                 # timed, not the fit's extrapolation
+    assert costs.seconds(8, 12, 0) == pytest.approx(0.1 + 0.03 + 0.008, rel=0.02)
+    for n, h in ((16, 1), (24, 2), (10, 1)):                            # the drafting fit where it was measured
+        assert costs.seconds(8, n, h) == pytest.approx(0.13 + 0.002 * (n - 8) + 0.005 * h, rel=0.05)
+
+
+def test_a_plain_round_is_timed_every_probe_every_drafting_rounds():
+    chooser = DraftChooser(3, ("history",), costs=_costs_with_overhead(), probe_every=5)
+    _train(chooser, HISTORY, 1.0)
+    view = _view(8, history=[[1, 2, 3]] * 8)
+    reasons = []
+    for _ in range(12):
+        h = chooser.head_steps(8, view)
+        plan = chooser.assign(8, view, h, None)
+        reasons.append(plan.reason)
+        tokens = 8 + int(plan.num_drafts.sum())
+        chooser.costs.observe(8, tokens, h, 0.1 if tokens == 8 else 0.15)
+    # the cost model's history ends 4 drafting rounds after a plain one; the first round of a new shape
+    # is not a sample (kernel set-up); after that a plain round follows every 5 drafting rounds
+    assert reasons == ["chosen"] * 2 + ["plain"] + ["chosen"] * 5 + ["plain"] + ["chosen"] * 3, reasons
+
+
+def test_drafts_that_do_not_pay_for_a_drafting_round_run_plain():
+    """Each kept draft clears the per-token threshold, but a drafting round's fixed cost needs more of
+    them: one row with a history draft is not worth it, eight are."""
+    costs = _costs_with_overhead(overhead=0.03)
+    chooser = DraftChooser(3, ("history",), costs=costs, probe_every=1000)
+    _train(chooser, HISTORY, 0.6)
+    one = chooser.assign(8, _view(8, history=[[1, 2, 3]] + [[]] * 7), 0, None)
+    assert one.reason == "chosen" and one.width == 0 and (one.source == NONE).all()
+    many = chooser.assign(8, _view(8, history=[[1, 2, 3]] * 8), 0, None)
+    assert (many.source == HISTORY).all() and many.width >= 1

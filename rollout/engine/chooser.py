@@ -1,17 +1,20 @@
 """Per row and per round: draft from the heads, from rollout history, or not at all, and how many.
 
 A drafted token pays where the tokens it is expected to add beat what the same time buys in plain
-decoding. With the round's cost modelled as a + b * (tokens verified) + c * (head steps)
-(rollout.engine.round_cost), a plain round of `bucket` rows makes `active` tokens in
-a + b * bucket seconds, so a candidate token whose expected contribution (the product of the
-predicted acceptances up to it, rollout.engine.predictor) is at least b * active / (a + b * bucket)
-is worth its verification. That threshold is fixed before any drafting, and each row keeps the
+decoding. A plain round of `bucket` rows makes `active` tokens in P seconds (timed); a drafting
+round costs a + b * (tokens verified) + c * (head steps) (rollout.engine.round_cost), so a
+candidate token whose expected contribution (the product of the predicted acceptances up to it,
+rollout.engine.predictor) is at least b * active / P is worth its verification, and the round as a
+whole must also pay for what a drafting round costs beyond a plain one at the same width
+(a + b * bucket - P: the packed verification's index, rejection sampling): where the rows' drafts
+together are not expected to, the round runs plain. That threshold is fixed before any drafting, and each row keeps the
 leading drafts above it: whether position j is verified depends on features known by the time
 position j was drafted (the distribution it came from, never the sampled token, and nothing drafted
 after it), which keeps verification lossless (see rollout.engine.predictor).
 
 Head steps run for the whole batch, so their number h is chosen once per round before drafting, as
 the h with the most expected tokens per modelled second under the predictor's per-position levels.
+Every `probe_every` drafting rounds one round runs plain, so that the plain price stays measured.
 Rows whose history draft is worth more than the heads' take the history draft. When a source has
 not been verified for `probe_every` rounds (it looked not worth it), one round verifies it anyway:
 one head token per row, or the history drafts of the rows that have one. Estimates that are never
@@ -68,12 +71,13 @@ class DraftChooser:
         self.probe_every = probe_every
         self.rounds_without_heads = 0
         self.rounds_without_history = 0
+        self._plain_round = False                  # head_steps() decided this round times a plain round
 
     # ------------------------------------------------------------------ threshold
     def threshold(self, bucket: int, active: int) -> float:
         """Expected tokens a verified draft must add to beat plain decoding for its time."""
-        a, b, _ = self.costs.coefficients(bucket)
-        return b * active / (a + b * bucket)
+        _, b, _ = self.costs.coefficients(bucket)
+        return b * active / self.costs.plain_seconds(bucket)
 
     def _history_option(self, view: RowView, b: int, tau: float) -> tuple[int, np.ndarray, float]:
         """(drafts kept, their predicted acceptances, expected tokens) of row b's history draft."""
@@ -92,10 +96,9 @@ class DraftChooser:
     # ------------------------------------------------------------------ before drafting
     def head_steps(self, bucket: int, view: RowView) -> int:
         """How many head steps this round runs (0 = none), from per-position levels."""
-        if not self.use_heads or self.k_max == 0:
-            return 0
         active = np.flatnonzero(view.active)
-        if active.size == 0:
+        self._plain_round = active.size > 0 and self.costs.plain_due(bucket, self.probe_every)
+        if not self.use_heads or self.k_max == 0 or active.size == 0 or self._plain_round:
             return 0
         if self.rounds_without_heads >= self.probe_every:
             return 1
@@ -125,7 +128,11 @@ class DraftChooser:
         B = view.active.shape[0]
         source, num = np.full(B, NONE), np.zeros(B, dtype=np.int64)
         predicted, features = [np.zeros(0)] * B, [np.zeros(0)] * B
+        if self._plain_round and head_steps == 0:
+            self._plain_round = False
+            return RoundPlan(0, source, num, predicted, features, "plain")
         active = np.flatnonzero(view.active)
+        expected = np.zeros(B)                    # per row: tokens its kept drafts are expected to add
         probe = head_steps > 0 and self.rounds_without_heads >= self.probe_every
         probe_history = (not probe and self.use_history and self.rounds_without_history >= self.probe_every
                          and bool(view.history_tokens) and any(view.history_tokens[int(b)] for b in active))
@@ -153,15 +160,29 @@ class DraftChooser:
                                                   int(view.history_match[b]))
             if n_head and e_head > 0 and (e_head >= e_hist or probe) and not (probe_history and n_hist):
                 source[b], num[b], predicted[b] = HEADS, n_head, acc_head[:n_head]
-                features[b] = head_feature[b][:n_head]
+                features[b], expected[b] = head_feature[b][:n_head], e_head
             elif n_hist:
                 source[b], num[b], predicted[b] = HISTORY, n_hist, acc_hist
-                features[b] = view.history_cond[b][:n_hist]
+                features[b], expected[b] = view.history_cond[b][:n_hist], e_hist
+        if not (probe or probe_history) and num.any() and not self._round_pays(bucket, active.size, head_steps,
+                                                                                float(expected.sum()), int(num.sum())):
+            source[:], num[:] = NONE, 0
+            predicted, features = [np.zeros(0)] * B, [np.zeros(0)] * B
         self.rounds_without_heads = 0 if (source == HEADS).any() or not self.use_heads else self.rounds_without_heads + 1
         self.rounds_without_history = (0 if (source == HISTORY).any() or not self.use_history
                                        else self.rounds_without_history + 1)
         reason = "probe" if probe else "probe_history" if probe_history else "chosen"
         return RoundPlan(head_steps, source, num, predicted, features, reason)
+
+    def _round_pays(self, bucket: int, active: int, head_steps: int, expected: float, drafts: int) -> bool:
+        """Whether verifying `drafts` drafts expected to add `expected` tokens beats a plain round, the
+        head steps being spent either way. `expected` is computed from what was known before each row's
+        first draft was drawn (the heads' first feature and per-position levels, or history counts),
+        so dropping a row's drafts here never depends on the tokens drafted."""
+        spent = self.costs.coefficients(bucket)[2] * head_steps
+        drafting = self.costs.seconds(bucket, bucket + drafts, head_steps)
+        plain = self.costs.plain_seconds(bucket) + spent
+        return (active + expected) / drafting >= active / plain
 
     def heads_changed(self) -> None:
         """New head weights: verify them next round instead of trusting the old estimates."""

@@ -1,18 +1,26 @@
 """What a decode round costs, modelled online from the rounds that run anyway.
 
-time = a + b * (tokens verified) + c * (head steps), per batch bucket, fitted by decayed least
-squares to the measured wall time of recent rounds (each round is one sample; the machine's speed
-drifts by tens of percent within minutes, so old rounds fade with `halflife`). Until a bucket has
-seen enough rounds of different shapes to tell b and c apart, a prior fills in: the prior is
-written in units of that bucket's plain round (measured first: every call starts with plain rounds
-while the heads' caches fill and history is empty), and the fit is shrunk towards it (ridge) so a
-few noisy rounds cannot price drafting out for good.
+Per batch bucket: a plain round (no drafts, no head steps) costs what plain rounds measured (a
+decayed mean); a round that drafts costs a + b * (tokens verified) + c * (head steps), fitted by
+decayed least squares to the measured wall time of recent drafting rounds (the machine's speed
+drifts by tens of percent within minutes, so old rounds fade with `halflife`). The two are kept
+apart because a drafting round pays fixed costs a plain round does not (the packed verification's
+index, rejection sampling, the drafts' bookkeeping): extrapolating the drafting fit down to a plain
+round overestimated it by ~20% at batch 16, which made drafting look cheaper than it was. Plain
+rounds stop happening once drafting pays, so the chooser runs one now and then (`plain_due`) to
+keep the plain price current. Until a bucket has seen enough drafting rounds of different shapes to
+tell b and c apart, a prior fills in: written in units of that bucket's plain round (every call
+starts with plain rounds while the heads' caches fill and history is empty), and the fit is shrunk
+towards it (ridge) so a few noisy rounds cannot price drafting out for good.
 """
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import numpy as np
+
+from rollout.engine.config import bucket
 
 # prior shares of a plain round: a verified token costs PRIOR_TOKEN / batch of it (a plain round
 # verifies `batch` tokens), a head step PRIOR_HEAD of it. Optimistic against what 2-core CPUs
@@ -34,6 +42,7 @@ class RoundCostModel:
         self._timed_plain: set[int] = set()       # buckets where a plain round itself was timed
         self._coef: dict[int, np.ndarray] = {}
         self._seen: set[tuple[int, int, int]] = set()
+        self._since_plain: dict[int, int] = {}    # bucket -> drafting rounds since its last timed plain round
 
     def observe(self, bucket: int, tokens: int, head_steps: int, seconds: float) -> None:
         if not (seconds > 0 and math.isfinite(seconds)):
@@ -42,20 +51,30 @@ class RoundCostModel:
         if shape not in self._seen:      # first use of a shape pays for oneDNN's kernel set-up: no sample
             self._seen.add(shape)
             return
+        plain_round = head_steps == 0 and tokens <= bucket
+        self._since_plain[bucket] = 0 if plain_round else self._since_plain.get(bucket, 0) + 1
+        # the prior's unit, a plain round: timed where one ran, else read off this round through the prior
+        unit = seconds / (1 + PRIOR_TOKEN * (tokens / bucket - 1) + PRIOR_HEAD * head_steps)
+        if plain_round or bucket not in self._timed_plain:
+            old = self._plain.get(bucket)
+            self._plain[bucket] = unit if old is None else 0.9 * old + 0.1 * unit
+        self._coef.pop(bucket, None)
+        if plain_round:
+            self._timed_plain.add(bucket)
+            return
         x = np.array([1.0, tokens, head_steps])
         if bucket not in self._xtx:
             self._xtx[bucket], self._xty[bucket] = np.zeros((3, 3)), np.zeros(3)
         self._xtx[bucket] = self._xtx[bucket] * self.decay + np.outer(x, x)
         self._xty[bucket] = self._xty[bucket] * self.decay + x * seconds
-        # the prior's unit, a plain round: timed where one ran, else read off this round through the prior
-        unit = seconds / (1 + PRIOR_TOKEN * (tokens / bucket - 1) + PRIOR_HEAD * head_steps)
-        plain_round = head_steps == 0 and tokens <= bucket
-        if plain_round or bucket not in self._timed_plain:
-            old = self._plain.get(bucket)
-            self._plain[bucket] = unit if old is None else 0.9 * old + 0.1 * unit
-        if plain_round:
-            self._timed_plain.add(bucket)
-        self._coef.pop(bucket, None)
+
+    def plain_due(self, bucket: int, every: int) -> bool:
+        """Whether `every` drafting rounds of this bucket ran since a plain round was last timed."""
+        return self._since_plain.get(bucket, 0) >= every
+
+    def plain_seconds(self, bucket: int) -> float:
+        """A plain round of this bucket: as timed (or, before one was, read off drafting rounds)."""
+        return self._plain.get(bucket, 1.0)
 
     def known(self, bucket: int) -> bool:
         """Whether a round of this bucket has been timed (the prior's unit is known)."""
@@ -76,5 +95,25 @@ class RoundCostModel:
         return tuple(coef)
 
     def seconds(self, bucket: int, tokens: int, head_steps: int) -> float:
+        """A round verifying `tokens` tokens after `head_steps` head steps (a plain round: tokens <= bucket, 0)."""
+        if head_steps == 0 and tokens <= bucket:
+            return self.plain_seconds(bucket)
         a, b, c = self.coefficients(bucket)
         return a + b * tokens + c * head_steps
+
+    def plain_decode_seconds(self, rounds: Sequence[int], buckets: tuple[int, ...]) -> float:
+        """What plain decoding of the same rows would have taken: row i needs rounds[i] one-token
+        rounds, the rows decode together and leave as they finish (the engine then moves the rest
+        into a smaller bucket). Priced by this model's plain rounds; nan where a bucket the rows
+        pass through was never timed."""
+        need = np.sort(np.asarray(rounds, np.int64))[::-1]       # [B] descending
+        total = 0.0
+        for n in range(len(need), 0, -1):                         # n rows active for these rounds
+            span = int(need[n - 1]) - (int(need[n]) if n < len(need) else 0)
+            if span <= 0:
+                continue
+            b = bucket(n, buckets)
+            if not self.known(b):
+                return float("nan")
+            total += span * self.seconds(b, b, 0)    # a plain round computes every slot of its bucket
+        return total

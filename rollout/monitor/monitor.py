@@ -126,6 +126,8 @@ class AcceptanceMonitor:
             "time": time.time(),
             "tokens_per_s": batch.tokens_per_s if tokens_per_s is None else tokens_per_s,
             "wall_time_s": batch.wall_time_s,
+            "plain_estimate_s": batch.plain_estimate_s,
+            "speedup_estimate": batch.plain_estimate_s / batch.wall_time_s if batch.wall_time_s > 0 else float("nan"),
             **batch_versions(comps),
             "head_staleness": self._staleness(step) if staleness is None else staleness,
             **group,

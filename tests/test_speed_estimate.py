@@ -1,0 +1,65 @@
+"""The engine's estimate of plain decoding, which the RL job's summary and the monitor report as
+speculation's speedup: priced by the round-cost model, rows leaving the batch as they finish."""
+import math
+
+import pytest
+
+from experiments.async_rl import rollout_speed
+from rollout.engine.round_cost import RoundCostModel
+from rollout.monitor.monitor import AcceptanceMonitor, MonitorConfig
+from rollout.torch_engine import TorchEngine
+from rollout.types import Completion, RolloutBatch, SamplingParams
+
+BUCKETS = (1, 2, 4, 8)
+
+
+def _timed(plain_seconds: dict[int, float]) -> RoundCostModel:
+    """A cost model that has timed plain rounds of these buckets (a bucket's first round is not a sample)."""
+    costs = RoundCostModel()
+    for b, s in plain_seconds.items():
+        for _ in range(3):
+            costs.observe(b, b, 0, s)
+    return costs
+
+
+def test_plain_estimate_prices_each_round_at_the_bucket_of_the_rows_still_running():
+    costs = _timed({8: 0.8, 4: 0.5, 2: 0.3, 1: 0.2})
+    # rows need 10, 6, 6, 5, 2 rounds: 5 rows (bucket 8) for 2 rounds, 4 (bucket 4) for 3 rounds,
+    # 3 (bucket 4) for 1 round, 1 row (bucket 1) for 4 rounds
+    want = 2 * costs.seconds(8, 8, 0) + 4 * costs.seconds(4, 4, 0) + 4 * costs.seconds(1, 1, 0)
+    assert costs.plain_decode_seconds([10, 6, 6, 5, 2], BUCKETS) == pytest.approx(want)
+    assert want == pytest.approx(2 * 0.8 + 4 * 0.5 + 4 * 0.2, rel=0.05)
+    assert costs.plain_decode_seconds([0, 0], BUCKETS) == 0.0
+
+
+def test_plain_estimate_is_unknown_when_a_bucket_was_never_timed():
+    costs = _timed({8: 0.8})
+    assert math.isnan(costs.plain_decode_seconds([10, 10, 10, 3, 3], BUCKETS))   # 3 rows: bucket 4, untimed
+
+
+def test_the_engine_reports_its_plain_estimate(tiny_policy, tiny_heads):
+    prompts = [[1, 2, 3, 4]] * 4
+    sp = SamplingParams(max_new_tokens=24, temperature=1.0, num_draft_tokens=2, ignore_eos=True, seed=0)
+    engine = TorchEngine(tiny_policy, tiny_heads)
+    engine.generate(prompts, sp)                            # the first call times plain rounds of bucket 4
+    batch = engine.generate(prompts, sp)
+    assert math.isfinite(batch.plain_estimate_s) and batch.plain_estimate_s > 0
+    want = engine.chooser.costs.plain_decode_seconds([len(c.tokens) - 1 for c in batch.completions], BUCKETS)
+    assert batch.plain_estimate_s > want                    # + the prefill, which plain decoding runs too
+    plain = TorchEngine(tiny_policy).generate(prompts, SamplingParams(max_new_tokens=8, seed=0))
+    assert plain.plain_estimate_s == plain.wall_time_s
+
+
+def test_monitor_and_job_summary_report_the_speedup(tmp_path):
+    comps = [Completion(prompt=[1], tokens=[5] * 10, logprobs=[0.0] * 10, entropies=[1.0] * 10)]
+    with AcceptanceMonitor(MonitorConfig(str(tmp_path), plots=False, tensorboard=False, n_boot=0)) as mon:
+        rec = mon.record_step(0, RolloutBatch(comps, wall_time_s=2.0, plain_estimate_s=3.0))
+        unknown = mon.record_step(1, RolloutBatch(comps, wall_time_s=2.0))
+    assert rec["plain_estimate_s"] == 3.0 and rec["speedup_estimate"] == 1.5
+    assert unknown["plain_estimate_s"] is None and unknown["speedup_estimate"] is None
+    rows = [{"rollout_s": 2.0, "rollout_tokens": 40, "rollout_plain_estimate_s": 3.0},
+            {"rollout_s": 2.0, "rollout_tokens": 40, "rollout_plain_estimate_s": 2.0}]
+    line = rollout_speed(rows)
+    assert "80 tokens in 4s" in line and "20.0 tok/s" in line and "speculation 1.25x" in line
+    rows[1]["rollout_plain_estimate_s"] = None
+    assert "speculation" not in rollout_speed(rows)
