@@ -8,8 +8,10 @@ each row chooses per round where its drafts come from (MTP heads, tokens copied 
 history, or none) and how many, by predicted acceptance against the round's modelled cost
 (rollout.engine.chooser); `EngineConfig(draft_lengths="fixed")` drafts k head tokens for every
 row instead. The predictor, the cost model and the history live with the engine across
-generate() calls. Caches are static (one per batch bucket and length), forwards are optionally
-compiled (rollout.engine.forwards).
+generate() calls. Every random draw is keyed on (seed, the row's index in the prompt list,
+position) (rollout.verify.KeyedDraws), so a row's tokens do not depend on its batch-mates. Caches
+are static (one per batch bucket and length), forwards are optionally compiled
+(rollout.engine.forwards).
 """
 from __future__ import annotations
 
@@ -31,7 +33,7 @@ from rollout.engine.round import (PhaseTimes, RoundContext, RoundResult, commit,
 from rollout.engine.state import DecodeState, Results, gather_rows
 from rollout.models.decoder import Cache, CausalLM, set_read_len
 from rollout.types import RolloutBatch, SamplingParams, validate_request
-from rollout.verify import process_logits_with_stats, sample
+from rollout.verify import KeyedDraws, process_logits_with_stats, sample
 
 __all__ = ["TorchEngine", "EngineConfig"]
 
@@ -216,10 +218,9 @@ class TorchEngine:
             lengths[b] = len(p)
         lengths = lengths.to(dev)
         row_ids = torch.arange(B, device=dev).masked_fill(torch.arange(B, device=dev) >= B0, -1)
-        gen = torch.Generator(device=dev)
-        gen.manual_seed(sp.seed if sp.seed is not None else int(torch.randint(0, 2**62, ()).item()))
+        seed = sp.seed if sp.seed is not None else int(torch.randint(0, 2**62, ()).item())
         stop = set(sp.stop_token_ids) | (set() if sp.ignore_eos else set(self.policy.config.eos_token_ids))
-        ctx = RoundContext(self.policy, heads, self.forwards, sp, gen,
+        ctx = RoundContext(self.policy, heads, self.forwards, sp, seed,
                            torch.tensor(sorted(stop) or [-2], dtype=torch.long, device=dev),
                            ecfg.verify_widths, head_width, self.times, k)
         cache = self._target_cache(B, L)
@@ -234,7 +235,7 @@ class TorchEngine:
         rows = torch.arange(B, device=dev)
         last_logits = self.policy.compute_logits(hidden[rows, lengths - 1])              # [B, V]
         probs, ent, p_max = process_logits_with_stats(last_logits, sp.temperature, sp.top_k, sp.top_p)
-        first = sample(probs, gen)                                                       # [B]
+        first = sample(probs, KeyedDraws(seed, row_ids, lengths))                      # [B]
         logp = last_logits.gather(1, first[:, None]) - last_logits.logsumexp(-1, keepdim=True)
         commit(ctx, st, first[:, None], torch.zeros(B, dtype=torch.long, device=dev), logp,
                ent[:, None], p_max[:, None])

@@ -5,14 +5,20 @@ min(1, p/q); the first rejected position emits a *recovered* token drawn from
 norm(max(0, p - q)); when all k drafts pass, a *bonus* token is drawn from p.
 Temperature 0 is one-hot p and the same code then does exact greedy verification.
 
-Sampling is an exponential race (the Gumbel-max trick in probability space): token
-argmax_v p(v) / E_v with E_v = -log(U_v) ~ Exp(1), one uniform draw per candidate. It needs no
-cumulative sum and no host synchronisation (torch.multinomial checks its input on the host), and
-rows with zero mass never win unless the whole row is zero. E_v comes from `torch.rand` and a log
-rather than `Tensor.exponential_`, which was 4x slower on CPU (12 ms for 8 x 49,152 candidates,
-most of a batch-8 round's accept phase).
+Sampling is by inverse CDF, one uniform per token drawn (`inverse_cdf`). The uniforms come from a
+torch.Generator or, in the engine, from `KeyedDraws`: a hash of (seed, row, position, stream), so
+that a row's tokens do not depend on its batch-mates. A point-mass draft x (a token copied from
+history, or a greedy head's argmax) is verified by drawing the position's token t from p with the
+position's own uniform and accepting iff t == x; a rejected position emits t. That is rejection
+sampling with q = one-hot(x) (accepted with probability p(x); on rejection t ~ p restricted to
+tokens != x, which is norm(max(0, p - q))), and because t is the token plain decoding draws there
+with the same seed, point-mass drafts never change the tokens, whatever was drafted.
 """
 from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Union
 
 import torch
 
@@ -75,20 +81,95 @@ def process_logits_with_entropy(logits: torch.Tensor, temperature: float, top_k:
     return probs, ent
 
 
-def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
-    """One token per row by the exponential race: probs [..., V] -> [...] int64.
+# streams of keyed draws: one per use, so that no two uses of one (row, position) share a number
+TARGET, DRAFT, ACCEPT = 0, 1, 2
+_MASK32 = 0xFFFFFFFF
+BLOCK = 256   # inverse_cdf's first level: sums of BLOCK consecutive probabilities
 
-    P(argmax_v p_v / E_v = v) = p_v / sum(p) for independent E_v ~ Exp(1). U = 0 (rand's lower end)
-    gives E = inf and p / E = 0: finite everywhere, no NaN."""
-    race = torch.rand(probs.shape, generator=generator, device=probs.device, dtype=torch.float32).log_().neg_()
-    return (probs.float() / race).argmax(-1)
+
+def _mix32(x):
+    """A 32-bit integer hash (Wellons' lowbias32) on Python ints or int64 tensors holding 32-bit values;
+    its multipliers are < 2^31, so no int64 product overflows."""
+    x = x ^ (x >> 16)
+    x = (x * 0x21F0AAAD) & _MASK32
+    x = x ^ (x >> 15)
+    x = (x * 0x735A2D97) & _MASK32
+    return x ^ (x >> 15)
+
+
+@dataclass(frozen=True)
+class KeyedDraws:
+    """Counter-based random numbers: the uniform of (seed, row, position, stream) is a hash of the four,
+    so a row's draws do not depend on which rows share its batch, on its batch slot, or on how many
+    numbers were drawn before (vLLM keeps a torch.Generator per request for the first two; a hash
+    also covers the third, which speculation changes). Column j of a draw is the token at position
+    start[b] + j."""
+
+    seed: int
+    rows: torch.Tensor    # [B] int64 row identity (the prompt's index in the caller's list)
+    start: torch.Tensor   # [B] int64 position of column 0
+
+    def at(self, offset: int) -> KeyedDraws:
+        return KeyedDraws(self.seed, self.rows, self.start + offset)
+
+    def uniform(self, stream: int, width: int) -> torch.Tensor:
+        """[B, width] float64 in (0, 1), 52 random bits each."""
+        base = _mix32(_mix32(_mix32((self.seed >> 32) & _MASK32) ^ (self.seed & _MASK32)) ^ stream)
+        h = _mix32((self.rows & _MASK32) ^ base)[:, None]                                         # [B, 1]
+        positions = self.start[:, None] + torch.arange(width, device=self.start.device)           # [B, width]
+        h = _mix32(h ^ (positions & _MASK32))
+        low = _mix32(h ^ 0x5BD1E995)
+        return ((h >> 6).double() * 2.0 ** 26 + (low >> 6).double() + 0.5) * 2.0 ** -52
+
+
+Randomness = Union[torch.Generator, KeyedDraws, None]
+
+
+def uniforms(rng: Randomness, shape: tuple[int, ...], stream: int, device: torch.device) -> torch.Tensor:
+    """float64 uniforms in (0, 1) of `shape`; keyed draws give row b (shape[0]) its columns 0.. in order."""
+    if isinstance(rng, KeyedDraws):
+        width = math.prod(shape[1:])
+        return rng.uniform(stream, width).view(shape)
+    return torch.rand(shape, generator=rng, device=device, dtype=torch.float64)   # [0, 1): 0 is harmless
+
+
+def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """The token whose cumulative mass interval holds u * total: probs [..., V] (any scale), u [...] in
+    (0, 1) -> [...] int64. A token without mass is never chosen unless the whole row has none.
+
+    Two levels: sums of BLOCK tokens (float32, each within ~1e-7 of its block's mass) accumulated in
+    float64 pick the block, a float64 cumulative sum inside that block the token. A float32 cumulative
+    sum over V would be off by up to V ulps of the total (~3e-3 at 49,152) and is slower: at
+    40 x 49,152 on one (loaded) core this function took ~1 ms, a float32 cumulative sum alone ~6 ms
+    and an exponential race (a uniform, a log and a division per candidate) ~20 ms. The result is a
+    deterministic function of each row's probabilities and its one uniform."""
+    shape, V = probs.shape[:-1], probs.shape[-1]
+    p = probs.reshape(-1, V).float()
+    n, nb = p.shape[0], -(-V // BLOCK)
+    if nb * BLOCK != V:
+        p = torch.nn.functional.pad(p, (0, nb * BLOCK - V))
+    blocks = p.view(n, nb, BLOCK)
+    cum = blocks.sum(-1).double().cumsum(-1)                                                  # [n, nb]
+    target = u.reshape(n) * cum[:, -1]                                                        # [n] < total
+    b = torch.searchsorted(cum, target[:, None], right=True).squeeze(1).clamp_max(nb - 1)    # first block above
+    below = torch.where(b > 0, cum.gather(1, (b - 1).clamp_min(0)[:, None]).squeeze(1), 0.0)
+    inner = blocks[torch.arange(n, device=p.device), b].to(torch.float64).cumsum(-1)        # [n, BLOCK]
+    j = torch.searchsorted(inner, (target - below)[:, None], right=True).squeeze(1)
+    last = (inner < inner[:, -1:]).sum(-1)       # the block's last token with mass (rounding may overshoot it)
+    return (b * BLOCK + torch.minimum(j, last)).clamp_max(V - 1).view(shape)
+
+
+def sample(probs: torch.Tensor, generator: Randomness = None, stream: int = TARGET) -> torch.Tensor:
+    """One token per row: probs [..., V] -> [...] int64 (keyed draws: row b's columns 0.. follow probs'
+    dimensions after the first)."""
+    return inverse_cdf(probs, uniforms(generator, tuple(probs.shape[:-1]), stream, probs.device))
 
 
 def rejection_sample(
     draft_tokens: torch.Tensor,          # [B, k] int64
     draft_probs: torch.Tensor | None,    # [B, k', V], k' <= k: q of the first k' positions; None = all point masses
     target_probs: torch.Tensor,          # [B, k+1, V], or [N, V] with `index`: target dist. at the sampling temperature
-    generator: torch.Generator | None = None,
+    generator: Randomness = None,        # torch.Generator, or KeyedDraws (column j = the row's position j)
     num_drafts: torch.Tensor | None = None,  # [B] int64 <= k: drafts per row to consider (None = k)
     index: torch.Tensor | None = None,       # [B, k+1] int64: row b's position j is target_probs[index[b, j]]
     point_mass: torch.Tensor | None = None,  # [B] bool: row b's drafts are point masses (copied, or greedy)
@@ -96,10 +177,12 @@ def rejection_sample(
     """A row with num_drafts[b] = m < k ignores drafts m.. : at most m are accepted and, when all m
     pass, its last token is drawn from p at position m (m = 0: one plain token from p[:, 0]).
 
-    A point-mass draft x (a token copied from history, or a greedy head's argmax) has q = one-hot(x):
-    it is accepted with probability p(x) and, when rejected, the next token is drawn from p with x
-    removed. Rows of both kinds verify in one call. Packed verification passes the target
-    distributions of all rows as one [N, V] tensor and `index` to find row b's positions in it."""
+    Point-mass rows (point_mass[b], or every row when draft_probs is None) draw each position's token
+    from p and accept a draft iff it equals that token (module docstring). Rows with a draft
+    distribution q accept draft v with probability min(1, p(v)/q(v)) and draw the first rejected
+    position's token from norm(max(0, p - q)). Rows of both kinds verify in one call. Packed
+    verification passes the target distributions of all rows as one [N, V] tensor and `index` to
+    find row b's positions in it."""
     B, k = draft_tokens.shape
     device = target_probs.device
     if index is None:
@@ -114,37 +197,48 @@ def rejection_sample(
     if draft_probs is not None and (k_q > k or draft_probs.shape[0] != B or draft_probs.shape[2] != target_probs.shape[-1]):
         raise ValueError(f"draft_probs must be [B, k' <= k, V], got {tuple(draft_probs.shape)}")
     rows = torch.arange(B, device=device)
-    p_draft = target_probs[index[:, :k], draft_tokens]                                    # [B, k]
-    q_draft = torch.ones_like(p_draft)
-    if k_q:
-        q_first = draft_probs.gather(-1, draft_tokens[:, :k_q, None]).squeeze(-1)        # [B, k']
-        q_draft[:, :k_q] = q_first if point_mass is None else torch.where(point_mass[:, None], 1.0, q_first)
+    positions = torch.arange(k + 1, device=device)[None]                                  # [1, k+1]
+    limit = torch.full((B,), k, device=device) if num_drafts is None else num_drafts     # [B]
+    u_token = uniforms(generator, (B, k + 1), TARGET, device)                             # [B, k+1]
+    with_q = draft_probs is not None                  # some rows verify against a distribution q
+    with_point_mass = draft_probs is None or point_mass is not None
 
-    # accepted iff u < p/q, written without division: u * q < p (q > 0 for a drafted token)
-    uniform = torch.rand((B, k), generator=generator, device=device, dtype=p_draft.dtype)
-    accepted = uniform * q_draft < p_draft                                                # [B, k]
-    if num_drafts is not None:
-        accepted &= torch.arange(k, device=device)[None] < num_drafts[:, None]
+    if with_point_mass:   # every position's own token from p, with its own uniform
+        N = target_probs.shape[0]
+        slot = torch.where(positions <= limit[:, None], index, N)       # packed rows share entries past their drafts
+        flat_u = u_token.new_zeros(N + 1).scatter_(0, slot.flatten(), u_token.flatten())
+        drawn = inverse_cdf(target_probs, flat_u[:N])[index]                               # [B, k+1]
+        accepted = drawn[:, :k] == draft_tokens                                            # [B, k]
+    if with_q:   # accepted iff u < p/q, written without division: u * q < p (q > 0 for a drafted token)
+        p_draft = target_probs[index[:, :k], draft_tokens]                                 # [B, k]
+        q_draft = torch.ones_like(p_draft)
+        if k_q:
+            q_draft[:, :k_q] = draft_probs.gather(-1, draft_tokens[:, :k_q, None]).squeeze(-1)
+        by_q = uniforms(generator, (B, k), ACCEPT, device) * q_draft < p_draft
+        accepted = by_q if point_mass is None else torch.where(point_mass[:, None], accepted, by_q)
+    accepted = accepted & (positions[:, :k] < limit[:, None])
     num_accepted = accepted.long().cumprod(dim=1).sum(dim=1)                              # [B]
 
-    # each row's last token comes from one distribution: the recovered norm(max(0, p - q)) at its first
-    # rejected draft, or the bonus p after its last draft. Only that position is built ([B, V], not the
-    # [B, k+1, V] of every position), and not normalised: the exponential race is scale-invariant.
-    p_stop = target_probs[index[rows, num_accepted]]                                      # [B, V]
-    at = num_accepted.clamp_max(max(k - 1, 0))    # q of a row that passed is not used (its p is the bonus)
-    if k == 0:
-        q_stop = torch.zeros_like(p_stop)
+    if with_q:
+        # a q row's last token comes from one distribution: the recovered norm(max(0, p - q)) at its first
+        # rejected draft, or the bonus p after its last draft. Only that position is built ([B, V], not the
+        # [B, k+1, V] of every position), and not normalised: inverse_cdf is scale-invariant.
+        p_stop = target_probs[index[rows, num_accepted]]                                  # [B, V]
+        at = num_accepted.clamp_max(max(k - 1, 0))    # q of a row that passed is not used (its p is the bonus)
+        if k == 0:
+            q_stop = torch.zeros_like(p_stop)
+        else:
+            q_stop = torch.zeros_like(p_stop).scatter_(-1, draft_tokens[rows, at][:, None], 1.0)
+            if k_q:
+                q_stop = torch.where((at < k_q)[:, None], draft_probs[rows, at.clamp_max(k_q - 1)], q_stop)  # [B, V]
+        residual = (p_stop - q_stop).clamp_min(0)
+        use_p = (num_accepted == limit) | (residual.sum(-1) <= 0)   # the bonus; or p == q, which never rejects
+        last_token = inverse_cdf(torch.where(use_p[:, None], p_stop, residual), u_token[rows, num_accepted])
+        if point_mass is not None:
+            last_token = torch.where(point_mass, drawn[rows, num_accepted], last_token)
     else:
-        q_stop = torch.zeros_like(p_stop).scatter_(-1, draft_tokens[rows, at][:, None], 1.0)
-        if k_q:
-            use_q = at < k_q if point_mass is None else (at < k_q) & ~point_mass
-            q_stop = torch.where(use_q[:, None], draft_probs[rows, at.clamp_max(k_q - 1)], q_stop)   # [B, V]
-    residual = (p_stop - q_stop).clamp_min(0)
-    passed = num_accepted == (k if num_drafts is None else num_drafts)
-    use_p = passed | (residual.sum(-1) <= 0)      # the bonus; or p == q, which never rejects in exact arithmetic
-    last_token = sample(torch.where(use_p[:, None], p_stop, residual), generator)  # [B]
+        last_token = drawn[rows, num_accepted]                                             # [B]
 
-    positions = torch.arange(k + 1, device=device)[None]                                  # [1, k+1]
     drafts_padded = torch.cat([draft_tokens, draft_tokens.new_full((B, 1), PLACEHOLDER)], dim=1)
     output = torch.where(positions < num_accepted[:, None], drafts_padded,
                          torch.full_like(drafts_padded, PLACEHOLDER))

@@ -20,7 +20,9 @@ def lossy_rejection_sample(draft_tokens, draft_probs, target_probs, generator=No
         index = rows[:, None] * (k + 1) + torch.arange(k + 1)[None]
         target_probs = target_probs.reshape(B * (k + 1), -1)
     rejected = n < (k if num_drafts is None else num_drafts)
-    from_p = sample(target_probs[index[rows, n]], generator)
+    # a fresh draw from p (keyed draws would give the position's own token: a point mass's correct answer)
+    fresh = generator if isinstance(generator, torch.Generator) else torch.Generator(device=target_probs.device).manual_seed(n.sum().item())
+    from_p = sample(target_probs[index[rows, n]], fresh)
     out[rows, n] = torch.where(rejected, from_p, out[rows, n])
     return out, n
 

@@ -3,7 +3,8 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from rollout.verify import PLACEHOLDER, process_logits, process_logits_with_entropy, rejection_sample, sample
+from rollout.verify import (DRAFT, PLACEHOLDER, KeyedDraws, process_logits, process_logits_with_entropy,
+                            rejection_sample, sample)
 from tests.helpers import entropy
 from tests.lossless import lossy_rejection_sample
 
@@ -12,37 +13,42 @@ def _random_dist(V: int, gen: torch.Generator, sharpness: float = 2.0) -> torch.
     return (torch.randn(V, generator=gen) * sharpness).softmax(-1)
 
 
-def _first_token_histogram(fn, p, q, trials, gen, greedy=False):
+def _first_token_histogram(fn, p, q, trials, gen, greedy=False, keyed=False):
+    """keyed: draws keyed on (seed, row, position) as the engine makes them, one row per trial."""
     V = p.shape[-1]
+    rng = KeyedDraws(int(torch.randint(0, 2**62, (), generator=gen)), torch.arange(trials),
+                     torch.zeros(trials, dtype=torch.long)) if keyed else gen
     draft_probs = q.expand(trials, 1, V)
-    drafts = q.argmax().expand(trials, 1).clone() if greedy else sample(draft_probs, gen)
+    drafts = q.argmax().expand(trials, 1).clone() if greedy else sample(draft_probs, rng, DRAFT)
     target = p.expand(trials, 2, V)
-    out, _ = fn(drafts, None if greedy else draft_probs, target, gen)
+    out, _ = fn(drafts, None if greedy else draft_probs, target, rng)
     return torch.bincount(out[:, 0], minlength=V).double()
 
 
+@pytest.mark.parametrize("keyed", [False, True])
 @pytest.mark.parametrize("greedy", [False, True])
-def test_first_token_distribution_equals_target(greedy):
+def test_first_token_distribution_equals_target(greedy, keyed):
     gen = torch.Generator().manual_seed(0)
     V = 8
     p, q = _random_dist(V, gen), _random_dist(V, gen)
     distances = []
     for trials in (2_000, 200_000):
-        counts = _first_token_histogram(rejection_sample, p, q, trials, gen, greedy)
+        counts = _first_token_histogram(rejection_sample, p, q, trials, gen, greedy, keyed)
         distances.append(0.5 * (counts / trials - p.double()).abs().sum().item())
     assert distances[1] < distances[0] / 3, distances   # ~ 1/sqrt(n): 10x fewer samples -> ~10x farther
     assert distances[1] < 0.01
     assert chisquare(counts.numpy(), (p.double() * 200_000).numpy()).pvalue > 1e-3
 
 
+@pytest.mark.parametrize("keyed", [False, True])
 @pytest.mark.parametrize("greedy", [False, True])
-def test_lossy_variant_fails_the_same_test(greedy):
+def test_lossy_variant_fails_the_same_test(greedy, keyed):
     gen = torch.Generator().manual_seed(0)
     V = 8
     p = _random_dist(V, gen)
     q = p.roll(3)  # the draft's favourite is not the target's, so rejections are common
     trials = 200_000
-    counts = _first_token_histogram(lossy_rejection_sample, p, q, trials, gen, greedy)
+    counts = _first_token_histogram(lossy_rejection_sample, p, q, trials, gen, greedy, keyed)
     assert 0.5 * (counts / trials - p.double()).abs().sum().item() > 0.02  # the correct sampler: < 0.01
     assert chisquare(counts.numpy(), (p.double() * trials).numpy()).pvalue < 1e-6
 
@@ -135,8 +141,8 @@ def test_entropy_from_logits_equals_the_elementwise_definition(temperature, top_
     assert torch.isfinite(ent).all()
 
 
-def test_exponential_race_sampler_matches_the_distribution():
-    """sample() draws by argmax p / Exp(1): same distribution tests as multinomial, zeros never drawn."""
+def test_inverse_cdf_sampler_matches_the_distribution():
+    """sample() draws by inverse CDF: same distribution tests as multinomial, zeros never drawn."""
     gen = torch.Generator().manual_seed(3)
     V, trials = 8, 200_000
     p = _random_dist(V, gen)
@@ -146,7 +152,7 @@ def test_exponential_race_sampler_matches_the_distribution():
     assert counts[2] == 0
     keep = p > 0
     assert chisquare(counts[keep].numpy(), _expected(p[keep], counts[keep])).pvalue > 1e-3
-    # batched rows with different distributions, and one draw per candidate: shapes follow probs
+    # batched rows with different distributions: shapes follow probs
     rows = torch.stack([p, p.roll(1)])
     out = sample(rows.expand(trials // 10, 2, V), gen)
     assert out.shape == (trials // 10, 2)

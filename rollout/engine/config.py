@@ -7,7 +7,9 @@ from dataclasses import dataclass
 @dataclass(frozen=True)
 class EngineConfig:
     """How TorchEngine decodes. None of these change what is generated (at T = 0, float32,
-    compiled and eager give the same tokens; speculation is lossless either way)."""
+    compiled and eager give the same tokens; speculation is lossless either way), and with a seed
+    only sampled (draft_mode="rejection") head drafts change which tokens are drawn
+    (docs/reliability.md, "What is reproducible")."""
 
     # torch.compile the decoder layer and head block (inductor; GPU: CUDA graphs). False = eager,
     # for debugging. None = auto: compile models with >= 20M parameters on GPU; CPUs stay eager,

@@ -25,7 +25,7 @@ from rollout.engine.state import DecodeState
 from rollout.models.decoder import CausalLM, set_read_len
 from rollout.models.paged_attention import PagedKVCache
 from rollout.types import SamplingParams
-from rollout.verify import process_logits, process_logits_with_stats, rejection_sample, sample
+from rollout.verify import DRAFT, KeyedDraws, process_logits, process_logits_with_stats, rejection_sample, sample
 
 PHASES = ("draft", "verify", "accept", "commit")
 
@@ -60,12 +60,13 @@ class RoundContext:
     heads: MTPHeads | None
     forwards: Forwards
     sampling: SamplingParams
-    generator: torch.Generator
+    seed: int                         # with each row's identity and position, keys every random draw
     stop_ids: torch.Tensor            # [S] int64
     verify_widths: tuple[int, ...]
     head_width: int                   # positions per head-cache update chunk: max(k_max + 1, D)
     times: PhaseTimes
     k_max: int = 0                    # the most drafts a row may verify in one round
+    draft_keys: KeyedDraws | None = None   # draws of the head token being drafted (set by draft())
 
 
 @dataclass
@@ -115,6 +116,7 @@ def run_round(ctx: RoundContext, st: DecodeState, view: RowView, chooser: DraftC
     set_read_window(ctx, st, ctx.k_max)
     c = st.committed
     active = ~st.finished
+    keys = KeyedDraws(ctx.seed, st.row_ids, c)      # column j: the token at position c + j
     with ctx.times.phase("draft", dev):
         h = chooser.head_steps(B, view) if chooser is not None else k_fixed
         head_tokens = q = nonfinite = feature = None
@@ -145,10 +147,10 @@ def run_round(ctx: RoundContext, st: DecodeState, view: RowView, chooser: DraftC
     with ctx.times.phase("accept", dev):
         if k == 0:   # a plain step: nothing to verify, the token is a draw from p
             num_accepted = torch.zeros(B, dtype=torch.long, device=dev)
-            output = sample(target_probs[index[:, 0]], ctx.generator)[:, None]
+            output = sample(target_probs[index[:, 0]], keys)[:, None]
         else:
             heads_q = None if (q is None or sp.draft_mode == "greedy") else q[:, :k]
-            output, num_accepted = rejection_sample(drafts, heads_q, target_probs, ctx.generator, num_drafts,
+            output, num_accepted = rejection_sample(drafts, heads_q, target_probs, keys, num_drafts,
                                                     index=index, point_mass=point_mass)
     with ctx.times.phase("commit", dev):
         emitted = output.clamp_min(0)
@@ -163,9 +165,9 @@ def run_round(ctx: RoundContext, st: DecodeState, view: RowView, chooser: DraftC
 
 
 def _draft_tensors(plan: RoundPlan, view: RowView, head_tokens: torch.Tensor | None, draft_mode: str,
-                   dev: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                   dev: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """The plan's drafts as tensors: tokens [B, k] (heads' or history's per row, 0 past a row's
-    count), counts [B] and point_mass [B] (history rows, and every row in greedy mode)."""
+    count), counts [B] and point_mass [B] (history rows, and every row in greedy mode; None if none)."""
     B, k = plan.source.shape[0], plan.width
     drafts = torch.zeros(B, k, dtype=torch.long, device=dev)
     source = torch.as_tensor(plan.source, device=dev)
@@ -180,8 +182,9 @@ def _draft_tensors(plan: RoundPlan, view: RowView, head_tokens: torch.Tensor | N
             copied[i, :n] = view.history_tokens[b][:n]
         drafts[torch.as_tensor(history_rows, device=dev)] = torch.as_tensor(copied, device=dev)
     num_drafts = torch.as_tensor(plan.num_drafts, dtype=torch.long, device=dev)
-    point_mass = (source == HISTORY) | (draft_mode == "greedy")
-    return drafts, num_drafts, point_mass
+    if draft_mode == "greedy" or history_rows.size:
+        return drafts, num_drafts, (source == HISTORY) | (draft_mode == "greedy")
+    return drafts, num_drafts, None      # no point masses: verification draws no token per position
 
 
 def _verify_packed(ctx: RoundContext, st: DecodeState, tokens: torch.Tensor, num_drafts: torch.Tensor):
@@ -215,7 +218,8 @@ def _verify_packed(ctx: RoundContext, st: DecodeState, tokens: torch.Tensor, num
 
 # --------------------------------------------------------------------------------- draft
 def draft(ctx: RoundContext, st: DecodeState, k: int):
-    """k draft tokens per row from the heads, also written to seq[c .. c+k-1].
+    """k draft tokens per row from the heads, also written to seq[c .. c+k-1] (draft j is drawn
+    with the keys of its position, c-1+j).
 
     -> drafts [B, k] int64, q [B, k, V], nonfinite [B] bool (q had NaN/inf somewhere)."""
     heads, fwd = ctx.heads, ctx.forwards
@@ -223,9 +227,11 @@ def draft(ctx: RoundContext, st: DecodeState, k: int):
     c = st.committed
     rows = torch.arange(st.batch, device=c.device)
     tokens, probs, bad = [], [], torch.zeros_like(st.finished)
+    keys = KeyedDraws(ctx.seed, st.row_ids, c)
     prev_buffer = st.hidden
     for j in range(1, min(k, D) + 1):
         update_head_cache(ctx, st, j, prev_buffer)
+        ctx.draft_keys = keys.at(j - 1)
         token, q, nonfinite = draft_token(ctx, st.head_hidden[j - 1][rows, c - 2])      # depth j at c-2
         st.seq[rows, c - 1 + j] = token
         tokens.append(token), probs.append(q)
@@ -237,6 +243,7 @@ def draft(ctx: RoundContext, st: DecodeState, k: int):
         out = fwd.head(D - 1, st.head_hidden[D - 1][rows[:, None], pos - 1], st.seq[rows[:, None], pos + D], pos,
                        st.heads[D - 1])
         st.head_hidden[D - 1][rows[:, None], pos] = out
+        ctx.draft_keys = keys.at(m - 1)
         token, q, nonfinite = draft_token(ctx, out[:, 0])
         st.seq[rows, c - 1 + m] = token
         tokens.append(token), probs.append(q)
@@ -286,7 +293,7 @@ def draft_token(ctx: RoundContext, head_hidden: torch.Tensor):
     logits, vocab = ctx.heads.draft_logits_in_vocab(ctx.policy, head_hidden)          # [B, |S|]
     nonfinite = (logits.isnan() | (logits == float("inf"))).any(-1)
     q_s = process_logits(logits, sp.temperature, sp.top_k, sp.top_p)
-    token = q_s.argmax(-1) if sp.draft_mode == "greedy" else sample(q_s, ctx.generator)
+    token = q_s.argmax(-1) if sp.draft_mode == "greedy" else sample(q_s, ctx.draft_keys, DRAFT)
     if vocab is None:
         return token, q_s, nonfinite
     q = q_s.new_zeros((q_s.shape[0], ctx.policy.config.vocab_size))
