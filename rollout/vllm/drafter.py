@@ -174,8 +174,12 @@ class MtpRolloutDrafter(nn.Module):
 
 
 def register() -> None:
-    """Make the architecture known to vLLM in this process (idempotent)."""
+    """Make the architecture, and our CPU weight-transfer backend (rollout.vllm.weight_transfer), known
+    to vLLM in this process (idempotent); vLLM runs it in every process it starts (general plugin)."""
     from vllm import ModelRegistry
+
+    from rollout.vllm.weight_transfer import register_backend
 
     if ARCHITECTURE not in ModelRegistry.get_supported_archs():
         ModelRegistry.register_model(ARCHITECTURE, MtpRolloutDrafter)
+    register_backend()

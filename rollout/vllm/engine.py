@@ -53,7 +53,9 @@ logger = logging.getLogger(__name__)
 # our draft mode -> SpeculativeConfig.draft_sample_method
 DRAFT_SAMPLE_METHODS = {"greedy": "greedy", "rejection": "probabilistic"}
 # VLLMEngineConfig.draft_method -> SpeculativeConfig.method
-DRAFT_METHODS = {"heads": "eagle", "ngram": "ngram", "suffix": "suffix"}
+DRAFT_METHODS = {"heads": "eagle", "eagle3": "eagle3", "ngram": "ngram", "suffix": "suffix"}
+HISTORY_METHODS = ("ngram", "suffix")   # drafts are earlier tokens: 0..k per step, no distribution
+WEIGHT_TRANSFER_BACKEND = "mtp_rollout_shm"   # = rollout.vllm.weight_transfer.BACKEND (that module imports vLLM)
 
 
 @dataclass(frozen=True)
@@ -71,6 +73,7 @@ class VLLMEngineConfig:
     seed: int = 0
     # what drafts when num_draft_tokens > 0; vLLM runs one method per instance, so heads OR history:
     #   heads  = our MTP heads (vLLM's eagle method; needs heads=)
+    #   eagle3 = an EAGLE-3 drafter directory (drafter_path; vLLM's built-in eagle3 method, no plugin model)
     #   ngram  = vLLM's prompt lookup: the k tokens after the latest earlier match of the last n tokens
     #   suffix = vLLM's SuffixDecoding (needs arctic-inference): suffix trees of this request's prompt and
     #            of earlier responses this instance generated (kept across generate() calls)
@@ -82,10 +85,21 @@ class VLLMEngineConfig:
     suffix_max_cached_requests: int = 10000  # responses kept in the instance's global tree (0 = prompt only)
     suffix_max_spec_factor: float = 1.0  # drafts at most factor x match length tokens
     suffix_min_token_prob: float = 0.1  # drafts only tokens whose frequency estimate is at least this
+    drafter_path: str | None = None     # eagle3: the drafter's directory (config.json + model.safetensors)
+    # None: refreshes go through vLLM's in-place reload (reload.py); "mtp_rollout_shm": through vLLM's
+    # weight-transfer API (start_weight_update / start_draft_weight_update ...) with our CPU backend
+    weight_transfer: str | None = None
 
     def __post_init__(self):
         if self.draft_method not in DRAFT_METHODS:
             raise ValueError(f"draft_method must be one of {list(DRAFT_METHODS)}, got {self.draft_method!r}")
+        if (self.draft_method == "eagle3") != (self.drafter_path is not None):
+            raise ValueError(f"drafter_path is needed by draft_method='eagle3' and only by it, got draft_method="
+                             f"{self.draft_method!r}, drafter_path={self.drafter_path!r}")
+        if self.weight_transfer not in (None, WEIGHT_TRANSFER_BACKEND):
+            raise ValueError(f"weight_transfer must be None or {WEIGHT_TRANSFER_BACKEND!r} (vLLM's nccl / ipc "
+                             "backends need CUDA and a trainer-side setup not wired here), got "
+                             f"{self.weight_transfer!r}")
         if not 1 <= self.ngram_min <= self.ngram_max:
             raise ValueError(f"ngram_min / ngram_max must satisfy 1 <= min <= max, got {self.ngram_min}, "
                              f"{self.ngram_max}")
@@ -93,7 +107,7 @@ class VLLMEngineConfig:
     def speculative_config(self, k: int, draft_mode: str, drafter_dir: str | None) -> dict:
         """vLLM's speculative_config for k drafts per step with this draft method."""
         spec = {"method": DRAFT_METHODS[self.draft_method], "num_speculative_tokens": k}
-        if self.draft_method == "heads":
+        if self.draft_method in ("heads", "eagle3"):
             spec.update(model=drafter_dir, draft_sample_method=DRAFT_SAMPLE_METHODS[draft_mode])
         elif self.draft_method == "ngram":
             spec.update(prompt_lookup_min=self.ngram_min, prompt_lookup_max=self.ngram_max)
@@ -131,6 +145,11 @@ class VLLMEngine:
             p = policy.model.embed_tokens.weight
             self.heads = heads.to(device=p.device, dtype=p.dtype).eval()
         self.nonfinite_heads: list[str] = self._drafter_weights()[1] if self.heads is not None else []
+        self.eagle3 = None                   # draft_method eagle3: our torch copy of the drafter (refreshed with it)
+        if config.draft_method == "eagle3":
+            from mtp_heads.eagle3_checkpoint import load_eagle3
+            self.eagle3 = load_eagle3(config.drafter_path, policy)    # refuses a drafter of another policy
+        self._transfer = None                # trainer side of vLLM's weight-transfer API (config.weight_transfer)
         self._llm = None
         self._spec_key: tuple[int, str] | None = None
         self.num_starts = 0                                  # vLLM instances started (tests: no restart)
@@ -168,8 +187,12 @@ class VLLMEngine:
     def _uses_heads(self) -> bool:
         return self.config.draft_method == "heads"
 
+    @property
+    def _drafts_from_history(self) -> bool:
+        return self.config.draft_method in HISTORY_METHODS
+
     def _ensure_llm(self, k: int, draft_mode: str):
-        key = (k, draft_mode if k and self._uses_heads else "")   # history drafts ignore draft_mode
+        key = (k, "" if not k or self._drafts_from_history else draft_mode)   # history drafts ignore draft_mode
         if self._llm is not None and key == self._spec_key:
             return self._llm
         if self._llm is not None:
@@ -191,11 +214,19 @@ class VLLMEngine:
             drafter_dir = None
             if self._uses_heads:
                 drafter_dir = str(export_drafter_dir(self.heads, self._work / "drafter", dtype))
+            elif self.eagle3 is not None:   # its current weights (refreshes before this start included)
+                from mtp_heads.eagle3_checkpoint import save_eagle3
+                drafter_dir = str(save_eagle3(self._work / "eagle3", self.eagle3, dtype))
             kwargs["speculative_config"] = self.config.speculative_config(k, draft_mode, drafter_dir)
             kwargs["per_request_spec_decode_metrics"] = "detailed"
+        if self.config.weight_transfer:
+            kwargs["weight_transfer_config"] = {"backend": self.config.weight_transfer}
         t0 = time.perf_counter()
         guard_kernel_registry()
         self._llm = self._vllm.LLM(**kwargs)
+        if self.config.weight_transfer:
+            from rollout.vllm.weight_transfer import connect
+            self._transfer = connect(self._llm)
         fix_cpu_expand_kernel()
         self._llm.collective_rpc(token_stats.install)
         self._spec_key = key
@@ -208,7 +239,7 @@ class VLLMEngine:
     def close(self) -> None:
         """Shut the vLLM instance down (frees its KV cache, removes an own temp dir); the next
         generate() starts a new one."""
-        llm, self._llm, self._spec_key = self._llm, None, None
+        llm, self._llm, self._spec_key, self._transfer = self._llm, None, None, None
         if llm is not None:
             try:
                 llm.llm_engine.engine_core.shutdown()
@@ -247,7 +278,7 @@ class VLLMEngine:
         batch = RolloutBatch(completions, wall_time_s=time.perf_counter() - t0)
         if k:
             # history methods draft 0..k tokens per step: positions reached come from the per-step records
-            reached = None if self._uses_heads else batch.spec_stats().reached_per_pos
+            reached = batch.spec_stats().reached_per_pos if self._drafts_from_history else None
             self.last_stats = stats_delta(before, after, k, reached)
         else:
             self.last_stats = None
@@ -272,7 +303,7 @@ class VLLMEngine:
         if k and metrics is not None:
             steps = [(int(a), int(d)) for a, d in zip(metrics.per_step_accepted, metrics.per_step_drafted) if d > 0]
             comp.round_accepted = [a for a, _ in steps]
-            if not self._uses_heads:
+            if self._drafts_from_history:
                 comp.round_draft_tokens = [d for _, d in steps]
                 comp.round_sources = ["history"] * len(steps)
             if self.nonfinite_heads:
@@ -306,5 +337,25 @@ class VLLMEngine:
         if self._llm is not None:
             dtype = getattr(torch, self.config.dtype)
             weights = [(n, t.detach().to(device="cpu", dtype=dtype)) for n, t in sd.items()]
-            self._llm.collective_rpc(reload_policy, args=(weights,))
+            if self._transfer is not None:
+                self._transfer.send_weights(weights, version=str(version))
+            else:
+                self._llm.collective_rpc(reload_policy, args=(weights,))
             self._llm.reset_prefix_cache()   # cached KV was computed with the old weights
+
+    def update_drafter(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
+        """New EAGLE-3 drafter weights (its checkpoint names) into our copy and the running drafter
+        (draft_method eagle3): through start_draft_weight_update with config.weight_transfer, else vLLM's
+        in-place reload; no restart either way."""
+        if self.eagle3 is None:
+            raise ValueError("update_drafter needs draft_method='eagle3'; MTP heads refresh with update_heads")
+        self.eagle3.load_state_dict({k: torch.as_tensor(v) for k, v in state_dict.items()})
+        self.head_version = version
+        if self._llm is not None and self._spec_key[0] > 0:
+            dtype = getattr(torch, self.config.dtype)
+            weights = [(n, t.to(dtype) if t.is_floating_point() else t) for n, t in self.eagle3.state_dict().items()]
+            if self._transfer is not None:
+                self._transfer.send_weights(weights, draft=True)
+            else:
+                self._llm.collective_rpc(reload_drafter, args=(weights,))
+            self._llm.reset_prefix_cache()   # cached blocks hold drafter KV of the old weights
