@@ -5,6 +5,7 @@
     records      strict-JSON records, flat columns, crash-safe JSONL reading
     step_stats   step means per group (batch or domain) and their history
     drafting     per draft source (heads, history): rounds, acceptance, token shares, predictor calibration
+    collapse     the acceptance-collapse alert and its likely cause (stale drafter, bad refresh, inputs)
     monitor      AcceptanceMonitor and MonitorConfig: records, alerts, files
     plots        the three PNG figures
 """

@@ -13,8 +13,10 @@ are measured (see docs/design.md "Definitions"):
 The per-position slope is also fitted per draft source (MTP heads, tokens copied from
 history). Each slope comes with a bootstrap 95% percentile interval. Per step it also
 records where drafts came from, how long they were and how well the engine's acceptance
-predictor was calibrated. Output goes to an append-only JSONL (fsync'ed per record, readable
-after a crash), TensorBoard scalars, a CSV summary and three PNG figures.
+predictor was calibrated, and it alerts at the step where the heads' acceptance collapses, naming
+the likely cause from the policy and drafter versions (rollout.monitor.collapse). Output goes to an
+append-only JSONL (fsync'ed per record, readable after a crash), TensorBoard scalars, a CSV summary
+and three PNG figures.
 """
 from __future__ import annotations
 
@@ -29,6 +31,8 @@ from pathlib import Path
 from typing import Any
 
 from rollout.fileio import atomic_write
+from rollout.monitor.collapse import check_config as check_collapse_config
+from rollout.monitor.collapse import collapse_alert
 from rollout.monitor.drafting import SOURCES, Calibration, drafting_stats
 from rollout.monitor.plots import plot_acceptance_vs_entropy, plot_calibration, plot_over_steps
 from rollout.monitor.positions import (MIN_BINS, EntropyHistogram, PositionPoints, binned_slope, entropy_bins,
@@ -52,6 +56,11 @@ class MonitorConfig:
     n_boot: int = 1000               # bootstrap resamples per slope interval
     min_acceptance: float = 0.5      # alert when the windowed acceptance rate falls below
     min_slope: float = -0.5          # alert when the windowed slope's CI is entirely below (per nat)
+    collapse_fraction: float = 0.25  # alert acceptance_collapse when a step's heads acceptance is below this
+                                     # fraction of the median of the last `window` healthy steps (and below
+                                     # collapse_floor)
+    collapse_floor: float = 0.15     # acceptance_collapse also needs the step's heads acceptance below this
+    collapse_min_draft_tokens: int = 64  # head drafts a step needs to be judged or to count in that median
     tensorboard: bool = True         # write TensorBoard scalars under `tb/`
     plot_every: int = 10             # rewrite CSV and PNGs every N steps (0: only at the end)
     plots: bool = True               # write PNG figures at all (false: e.g. headless workers)
@@ -68,6 +77,7 @@ class MonitorConfig:
             raise ValueError("n_boot, plot_every and seed must be >= 0")
         if not 0.0 <= self.min_acceptance <= 1.0:
             raise ValueError(f"min_acceptance must be in [0, 1], got {self.min_acceptance}")
+        check_collapse_config(self.collapse_fraction, self.collapse_floor, self.collapse_min_draft_tokens)
 
 
 class AcceptanceMonitor:
@@ -273,7 +283,8 @@ class AcceptanceMonitor:
     # -- alerts ---------------------------------------------------------------------------------
 
     def _check_alerts(self, rec: dict) -> list[dict]:
-        """Drift conditions that hold at this step (an alert stays listed while it holds)."""
+        """Drift conditions that hold at this step (an alert stays listed while it holds); the
+        acceptance collapse is judged against the earlier steps (self._records, this one not yet in)."""
         cfg, alerts = self.config, []
         acc = rec["acceptance_window"]
         if math.isfinite(acc) and acc < cfg.min_acceptance:
@@ -285,6 +296,10 @@ class AcceptanceMonitor:
             alerts.append({"name": "slope_steep", "value": fit["slope"], "threshold": cfg.min_slope,
                            "message": f"windowed slope {fit['slope']:+.3f}/nat, CI "
                                       f"[{fit['ci_low']:+.3f}, {fit['ci_high']:+.3f}] below {cfg.min_slope}"})
+        collapse = collapse_alert(rec, self._records, window=cfg.window, fraction=cfg.collapse_fraction,
+                                  floor=cfg.collapse_floor, min_draft_tokens=cfg.collapse_min_draft_tokens)
+        if collapse is not None:
+            alerts.append(collapse)
         return alerts
 
     def _emit_alert_events(self, rec: dict) -> None:
