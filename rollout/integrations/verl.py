@@ -153,7 +153,11 @@ def token_output(c: Completion, with_logprobs: bool) -> TokenOutput:
                        extra_fields={"global_steps": c.policy_version, "policy_version": c.policy_version,
                                      "head_version": c.head_version, "acceptance_rate": stats.acceptance_rate,
                                      "acceptance_length": stats.acceptance_length,
-                                     "num_draft_tokens": c.num_draft_tokens, "finish_reason": c.finish_reason})
+                                     "num_draft_tokens": c.num_draft_tokens, "finish_reason": c.finish_reason,
+                                     # what verl's trainer reads into its rollout/spec_accept_* metrics
+                                     "spec_num_draft_tokens": stats.num_draft_tokens,
+                                     "spec_num_accepted_tokens": stats.num_accepted_tokens,
+                                     "spec_num_verify_steps": stats.num_drafts})
 
 
 # ------------------------------------------------------------------------------ the server actor

@@ -192,8 +192,12 @@ def test_agent_loop_generates_through_the_replica(tiny, stack):
     rec = recs[0]
     assert rec["extra"] == {"verl_global_steps": 1}
     assert rec["num_completions"] == 4 and rec["policy_version_max"] == 0
-    assert rec["num_drafts"] > 0 and 0 <= rec["num_accepted_tokens"] <= rec["num_drafts"]
-    assert rec["acceptance_rate"] == pytest.approx(rec["num_accepted_tokens"] / rec["num_drafts"])
+    assert rec["num_drafts"] > 0 and 0 <= rec["num_accepted_tokens"] <= rec["num_draft_tokens"]
+    assert rec["acceptance_rate"] == pytest.approx(rec["num_accepted_tokens"] / rec["num_draft_tokens"])
+    # the per-sample counts verl's trainer turns into rollout/spec_accept_rate and _length add up to ours
+    assert sum(out.non_tensor_batch["spec_num_accepted_tokens"]) == rec["num_accepted_tokens"]
+    assert sum(out.non_tensor_batch["spec_num_draft_tokens"]) == rec["num_draft_tokens"]
+    assert all(v >= 1 for v in out.non_tensor_batch["spec_num_verify_steps"])
     stats = ray.get(ray.get_actor(server_name(0)).stats.remote(), timeout=60)
     assert stats["cotrainer_running"] and stats["monitor_dir"] == str(root / "run" / "monitor"), stats
 
