@@ -398,15 +398,16 @@ def finite_or_none(x: float) -> float | None:
 
 def rollout_speed(rows: list[dict]) -> str:
     """The summary's line on rollout speed: tokens/s over the run's steps, and how much faster than
-    plain decoding, by the engine's own estimate of plain rounds (docs/rl-job.md says how close
-    that estimate came to a plain run)."""
+    plain decoding by the engine's own estimate (RolloutBatch.plain_estimate_s). A run cannot time
+    the plain decoding it did not do; docs/rl-job.md compares the estimate with a plain run."""
     tokens = sum(r.get("rollout_tokens", 0) for r in rows)
     seconds = sum(r["rollout_s"] for r in rows)
     line = f"rollouts: {tokens} tokens in {seconds:.0f}s of generate ({tokens / seconds:.1f} tok/s)" \
         if seconds > 0 else "rollouts: none timed"
     plain = [r.get("rollout_plain_estimate_s") for r in rows]
     if seconds > 0 and plain and all(p is not None for p in plain):
-        line += f"; plain decoding would take an estimated {sum(plain):.0f}s: speculation {sum(plain) / seconds:.2f}x"
+        line += (f"; the engine estimates plain decoding at {sum(plain):.0f}s: speculation {sum(plain) / seconds:.2f}x "
+                 "(from its own round timings: docs/rl-job.md says how far to trust it)")
     return line
 
 
