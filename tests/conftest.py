@@ -52,3 +52,32 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+# A tiny llama with a byte-level BPE tokenizer and a ChatML template, exported as a Hugging Face folder:
+# what the integrations (TRL, verl) load by path.
+CHAT_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+CHAT_TEMPLATE = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] "
+                 "+ '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}"
+                 "{{ '<|im_start|>assistant\n' }}{% endif %}")
+
+
+def chat_tokens() -> list[str]:
+    from tokenizers import pre_tokenizers
+    return CHAT_SPECIALS + sorted(pre_tokenizers.ByteLevel.alphabet())
+
+
+def tiny_chat_llama_config() -> ModelConfig:
+    return tiny_config(vocab_size=len(chat_tokens()), tie_word_embeddings=True, bos_token_id=1, eos_token_ids=(2,),
+                       architecture="llama")
+
+
+def export_tiny_chat_model(policy, out_dir):
+    """Write `policy` (built from tiny_chat_llama_config) with the byte-level tokenizer and the chat
+    template as a Hugging Face folder at out_dir; its path."""
+    from rollout.models.hf_loader import LoadedModel, export_hf_dir
+    from rollout.models.tokenizer import TOKEN_CONTROL, TOKEN_NORMAL, bpe_tokenizer
+
+    tokens = chat_tokens()
+    tok = bpe_tokenizer(tokens, [], [TOKEN_CONTROL] * len(CHAT_SPECIALS) + [TOKEN_NORMAL] * (len(tokens) - 3))
+    return export_hf_dir(LoadedModel(policy.config, policy.state_dict(), tok, CHAT_TEMPLATE, "tiny"), out_dir)

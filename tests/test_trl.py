@@ -15,15 +15,12 @@ from pathlib import Path
 import pytest
 import ray
 import torch
-from tokenizers import pre_tokenizers
 
 from mtp_heads.heads import init_heads
 from rollout.accelerator import AcceleratorConfig, CoTrainerConfig, RolloutAccelerator, WorkerConfig
-from rollout.models.config import ModelConfig
-from tests.conftest import tiny_config
+from tests.conftest import chat_tokens, export_tiny_chat_model, tiny_chat_llama_config
 from rollout.models.decoder import random_model
-from rollout.models.hf_loader import LoadedModel, expected_tensor_shapes, export_hf_dir, hf_config_dict
-from rollout.models.tokenizer import TOKEN_CONTROL, TOKEN_NORMAL, bpe_tokenizer
+from rollout.models.hf_loader import expected_tensor_shapes, hf_config_dict
 from rollout.monitor import AcceptanceMonitor, MonitorConfig
 from rollout.ray_guard import local_ray as guarded_ray
 
@@ -37,27 +34,14 @@ from rollout.integrations.trl import ROLLOUT_STATE, TRLRollout, policy_tensors, 
 
 ROOT = Path(__file__).resolve().parents[1]
 
-SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-TOKENS = SPECIALS + sorted(pre_tokenizers.ByteLevel.alphabet())
-TEMPLATE = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] "
-            "+ '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}"
-            "{% endif %}")
 MAX_NEW = 6
-
-
-def tiny_llama() -> ModelConfig:
-    return tiny_config(vocab_size=len(TOKENS), tie_word_embeddings=True, bos_token_id=1, eos_token_ids=(2,),
-                       architecture="llama")
 
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     """(HF directory written by export_hf_dir, our policy, heads) for one tiny random llama."""
-    cfg = tiny_llama()
-    policy = random_model(cfg, seed=0)
-    tok = bpe_tokenizer(TOKENS, [], [TOKEN_CONTROL] * 3 + [TOKEN_NORMAL] * (len(TOKENS) - 3))
-    out = export_hf_dir(LoadedModel(cfg, policy.state_dict(), tok, TEMPLATE, "tiny"),
-                        tmp_path_factory.mktemp("trl") / "hf")
+    policy = random_model(tiny_chat_llama_config(), seed=0)
+    out = export_tiny_chat_model(policy, tmp_path_factory.mktemp("trl") / "hf")
     return out, policy, init_heads(policy, num_depths=2, seed=0)
 
 
@@ -107,7 +91,7 @@ def make_trainer(hf_dir, out_dir, rollout, reward_calls, *, chat: bool, callback
 
     def reward(completions, completion_ids, **kw):
         reward_calls.append(kw)                          # our fields arrive as keyword arguments
-        return [sum(ids) / (len(ids) * len(TOKENS)) for ids in completion_ids]    # rarely equal: advantages != 0
+        return [sum(ids) / (len(ids) * len(chat_tokens())) for ids in completion_ids]    # rarely equal: advantages != 0
 
     cfg = trl.GRPOConfig(output_dir=str(out_dir), per_device_train_batch_size=4, num_generations=4, max_steps=2,
                          max_completion_length=MAX_NEW, logging_steps=1, report_to="none", save_strategy="no",
@@ -157,7 +141,7 @@ def teacher_forced_logprobs(hf_dir, state_dict, prompt, completion) -> torch.Ten
 def test_hf_parameter_names_are_the_policy_names(arch):
     """transformers' parameter names are ours for every supported architecture: the sync needs no
     renaming beyond wrapper prefixes (and a tied lm_head is not a parameter of its own)."""
-    cfg = dataclasses.replace(tiny_llama(), architecture=arch, attention_bias=arch == "qwen2", qk_norm=arch == "qwen3",
+    cfg = dataclasses.replace(tiny_chat_llama_config(), architecture=arch, attention_bias=arch == "qwen2", qk_norm=arch == "qwen3",
                               tie_word_embeddings=arch != "llama")
     d = hf_config_dict(cfg, torch.float32)
     model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**d))

@@ -18,13 +18,10 @@ import pytest
 import ray
 import torch
 from omegaconf import open_dict
-from tokenizers import pre_tokenizers
 
 from rollout.models.decoder import random_model
-from rollout.models.hf_loader import LoadedModel, export_hf_dir
-from rollout.models.tokenizer import TOKEN_CONTROL, TOKEN_NORMAL, bpe_tokenizer
 from rollout.ray_guard import local_ray as guarded_ray
-from tests.conftest import tiny_config
+from tests.conftest import export_tiny_chat_model, tiny_chat_llama_config
 
 from verl.checkpoint_engine.base import CheckpointEngineManager, CheckpointEngineRegistry
 from verl.experimental.agent_loop import AgentLoopManager
@@ -38,29 +35,18 @@ from verl.workers.rollout.llm_server import LLMServerManager
 from rollout.integrations.verl import NAME, server_name
 from rollout.integrations.verl_checkpoint import BACKEND
 
-SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-TOKENS = SPECIALS + sorted(pre_tokenizers.ByteLevel.alphabet())
-TEMPLATE = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] "
-            "+ '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}"
-            "{% endif %}")
 RESPONSE_LENGTH = 8
 NUM_DRAFT = 2
 CALL_TIMEOUT_S = 300      # every verl call is bounded: a hang fails the test instead of CI
 
 
-def tiny_llama_cfg():
-    return tiny_config(vocab_size=len(TOKENS), tie_word_embeddings=True, bos_token_id=1, eos_token_ids=(2,),
-                       architecture="llama")
-
-
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     """(HF dir of policy v0, policy v0, policy v1, tmp root) for a tiny random llama."""
-    cfg = tiny_llama_cfg()
+    cfg = tiny_chat_llama_config()
     v0, v1 = random_model(cfg, seed=0), random_model(cfg, seed=1)
-    tok = bpe_tokenizer(TOKENS, [], [TOKEN_CONTROL] * 3 + [TOKEN_NORMAL] * (len(TOKENS) - 3))
     root = tmp_path_factory.mktemp("verl")
-    hf = export_hf_dir(LoadedModel(cfg, v0.state_dict(), tok, TEMPLATE, "tiny"), root / "hf")
+    hf = export_tiny_chat_model(v0, root / "hf")
     return hf, v0, v1, root
 
 
