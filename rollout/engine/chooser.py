@@ -7,8 +7,8 @@ candidate token whose expected contribution (the product of the predicted accept
 rollout.engine.predictor) is at least b * active / P is worth its verification, and the round as a
 whole must also pay for what a drafting round costs beyond a plain one at the same width
 (a + b * bucket - P: the packed verification's index, rejection sampling): where the rows' drafts
-together are not expected to, the round runs plain. That threshold is fixed before any drafting, and each row keeps the
-leading drafts above it: whether position j is verified depends on features known by the time
+together are not expected to, the round runs plain. That threshold is fixed before any drafting, and
+each row keeps the leading drafts above it: whether position j is verified depends on features known by the time
 position j was drafted (the distribution it came from, never the sampled token, and nothing drafted
 after it), which keeps verification lossless (see rollout.engine.predictor).
 
