@@ -67,13 +67,15 @@ def run_sync(tmp_path, at_sync: str, draft_lengths: str = "fixed") -> tuple[list
     """Steps 0..3 on policy A, its version moving every step and its weights not (heads lag by design);
     at step 4, by `at_sync`: "nothing" (policy B, version 4, heads kept: the stale drafter), "refresh"
     (policy B and heads built for B, head version 1) or "heads_only" (heads for B arrive, the policy
-    stays A: a bad refresh). `draft_lengths`: the engine's ("chosen": per row and round, from heads or
-    history, as in a run). Returns the monitor's step records, its events, and whether the last
+    stays A: a bad refresh). `draft_lengths`: the engine's ("chosen": per row and round, as in a run). Returns the monitor's step records, its events, and whether the last
     step's tokens follow B's permutation (the sync reached the engine)."""
     policy_a, _ = permutation_policy(0)
     policy_b, sigma_b = permutation_policy(1)
     a_weights = {k: v.clone() for k, v in policy_a.state_dict().items()}
-    engine = TorchEngine(policy_a, init_heads(policy_a, 2), config=EngineConfig(draft_lengths=draft_lengths))
+    # heads only: history (this policy's rollouts repeat exactly) would take rows from the heads at
+    # moments that depend on measured round times, and the test is about the heads' drafts
+    engine = TorchEngine(policy_a, init_heads(policy_a, 2),
+                         config=EngineConfig(draft_lengths=draft_lengths, draft_sources=("heads",)))
     mon = AcceptanceMonitor(config(tmp_path))
     for step in range(6):
         if step == 4 and at_sync in ("nothing", "refresh"):
