@@ -30,6 +30,7 @@ from mtp_heads.shipped import resolve_heads
 from rollout.accelerator import RolloutAccelerator
 from rollout.config_loader import config_help, packaged_config, wants_help, write_resolved
 from rollout.models.flat_weights import pack
+from rollout.monitor.records import json_safe
 from rollout.models.loaders import DEFAULT_MODEL
 from rollout.ray_guard import local_ray
 from rollout.run_dir import RunLock, check_not_busy, check_writable, read_json, read_jsonl
@@ -364,7 +365,7 @@ def _train(cfg: RunConfig, policy: Policy, heads: MTPHeads | None, run_dir: Path
                        "temperature": cfg.sampling.temperature.at(step, steps), "train": stats,
                        "rollout_wait_s": wait_s, "train_s": time.perf_counter() - t1,
                        "rollout_s": batch.wall_time_s, "rollout_tokens": batch.num_tokens,
-                       "rollout_plain_estimate_s": finite_or_none(batch.plain_estimate_s),
+                       "rollout_plain_estimate_s": json_safe(batch.plain_estimate_s),   # nan -> null
                        "policy_version": step + 1}
                 log.write(json.dumps(row) + "\n")
                 log.flush()
@@ -390,10 +391,6 @@ def _train(cfg: RunConfig, policy: Policy, heads: MTPHeads | None, run_dir: Path
     return (f"gone since step {lost_at}: it died and its accelerator.cotrainer.max_restarts="
             f"{cfg.accelerator.cotrainer.max_restarts} restarts were used up, so the heads stayed at version "
             f"{head_version} (its errors are in {run_dir / 'monitor.jsonl'})")
-
-
-def finite_or_none(x: float) -> float | None:
-    return x if math.isfinite(x) else None
 
 
 def rollout_speed(rows: list[dict]) -> str:
