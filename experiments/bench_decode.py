@@ -121,6 +121,7 @@ def run_ours(engine: TorchEngine, prompts: list[list[int]], sampling: SamplingPa
                 share={src: n / max(batch.num_tokens, 1) for src, n in accepted.items()},
                 mean_drafts=stats.num_draft_tokens / drafted_rows if drafted_rows else 0.0,
                 speedup_estimate=batch.plain_estimate_s / batch.wall_time_s,   # the engine's own (nan: none)
+                margin=engine.chooser.margin.get(len(prompts), 1.0) if engine.chooser is not None else 1.0,
                 phase_ms={p: 1e3 * engine.times.seconds.get(p, 0.0) / rounds for p in PHASES})
 
 
@@ -186,7 +187,7 @@ def bench(policy, heads, cfg: BenchDecodeConfig, batches: dict[int, list], label
             row = dict(engine=label, batch=B, setting=name, temperature=cfg.temperature, tok_s=med("tok_s"),
                        ratio_to_plain=statistics.median(x["tok_s"] / p["tok_s"] for x, p in zip(rs, runs["plain"])),
                        all_ratios=[x["tok_s"] / p["tok_s"] for x, p in zip(rs, runs["plain"])],
-                       speedup_estimate=med("speedup_estimate"),
+                       speedup_estimate=med("speedup_estimate"), margin=med("margin"),
                        acceptance=med("acceptance") if name != "plain" else None,
                        tokens_per_round=med("tokens_per_round"), mean_drafts=med("mean_drafts"),
                        share={src: statistics.median(x["share"][src] for x in rs) for src in ("heads", "history")},
@@ -195,7 +196,7 @@ def bench(policy, heads, cfg: BenchDecodeConfig, batches: dict[int, list], label
             rows.append(row)
             ph = " ".join(f"{p} {v:.1f}" for p, v in row["phase_ms"].items())
             print(f"{label:<10} T={cfg.temperature} B={B:<2} {name:<8} {row['tok_s']:7.1f} tok/s  x{row['ratio_to_plain']:.3f}"
-                  f"  [{min(row['all_ratios']):.2f}-{max(row['all_ratios']):.2f}] (engine's estimate x{row['speedup_estimate']:.3f})"
+                  f"  [{min(row['all_ratios']):.2f}-{max(row['all_ratios']):.2f}] (engine's estimate x{row['speedup_estimate']:.3f}, margin {row['margin']:.2f})"
                   f"  acc {row['acceptance'] if row['acceptance'] is not None else float('nan'):.3f}"
                   f"  tok/round/row {row['tokens_per_round']:.2f}  drafts/row-round {row['mean_drafts']:.2f}"
                   f"  share heads {row['share']['heads']:.2f} history {row['share']['history']:.2f}  ms/round: {ph}",

@@ -26,6 +26,7 @@ from rollout.engine.chooser import DraftChooser, RowView
 from rollout.engine.history import RolloutHistory
 from rollout.engine.config import EngineConfig, bucket
 from rollout.engine.forwards import Forwards
+from rollout.engine.round_cost import cost_clock
 from rollout.engine import completions as completions_mod
 from rollout.engine.weight_updates import load_heads_update, load_policy_update
 from rollout.engine.round import (PhaseTimes, RoundContext, RoundResult, commit, fill_head_caches,
@@ -102,7 +103,8 @@ class TorchEngine:
         cfg = self.policy.config
         validate_request(prompts, sampling, vocab_size=cfg.vocab_size, context_length=cfg.max_position_embeddings,
                          has_heads=self._can_draft())
-        t0 = time.perf_counter()
+        clock = cost_clock(self._device)
+        t0, cost0 = time.perf_counter(), clock()
         compile_before = self.forwards.compile_time_s
         self.times = PhaseTimes(enabled=self.config.profile)
         k_max = sampling.num_draft_tokens
@@ -110,7 +112,7 @@ class TorchEngine:
         history = self._history() if chooser is not None and chooser.use_history else None
         ctx, st, results = self._prefill(prompts, sampling, heads_needed=chooser is None or chooser.use_heads)
         handles = history.begin_call(prompts, self.policy_version) if history is not None else None
-        prefill_s = time.perf_counter() - t0
+        prefill_cost = clock() - cost0
         records: list[RoundResult] = []
         n_active = len(prompts)
         try:
@@ -118,7 +120,7 @@ class TorchEngine:
                 if bucket(n_active, self.config.batch_buckets) < st.batch:
                     st = self._compact(st, results, n_active, ctx)
                 view = self._row_view(st, history, handles, k_max if chooser is not None else 0)
-                t_round, compile_s = time.perf_counter(), self.forwards.compile_time_s
+                t_round, compile_s = clock(), self.forwards.compile_time_s
                 before = st.committed.clone()
                 r = run_round(ctx, st, view, chooser, k_max)
                 if r.k > 0:
@@ -129,8 +131,9 @@ class TorchEngine:
                 if chooser is not None:
                     chooser.observe(view, r.plan, r.num_accepted.cpu().numpy())
                     if self.forwards.compile_time_s == compile_s:      # a round that compiled is no cost sample
-                        chooser.costs.observe(st.batch, r.verified_tokens, r.plan.head_steps,
-                                              time.perf_counter() - t_round)
+                        seconds = clock() - t_round
+                        chooser.costs.observe(st.batch, r.verified_tokens, r.plan.head_steps, seconds)
+                        chooser.settle(st.batch, r.plan, int(view.active.sum()), int(count.sum()), seconds)
                 if history is not None:
                     out = r.emitted.cpu().numpy()
                     for slot in np.flatnonzero(count > 0):
@@ -145,12 +148,17 @@ class TorchEngine:
         results.save(st)
         batch = completions_mod.build(prompts, results, records, sampling, self.policy_version, self.head_version)
         batch.wall_time_s = time.perf_counter() - t0
+        call_cost = clock() - cost0
         batch.compile_time_s = self.forwards.compile_time_s - compile_before
         if k_max == 0:
             batch.plain_estimate_s = batch.wall_time_s
-        elif chooser is not None:   # the prefill's first token is every row's; the rest take rounds
-            batch.plain_estimate_s = prefill_s + chooser.costs.plain_decode_seconds(
+        elif chooser is not None and call_cost > 0:
+            # priced on the cost clock, as the rounds were, then scaled to this call's wall time: the same
+            # share of the machine is assumed for the plain decoding that did not run. The prefill's first
+            # token is every row's; the rest take rounds.
+            plain_cost = prefill_cost + chooser.costs.plain_decode_seconds(
                 [max(0, len(c.tokens) - 1) for c in batch.completions], self.config.batch_buckets)
+            batch.plain_estimate_s = batch.wall_time_s * plain_cost / call_cost
         return batch
 
     def _row_view(self, st: DecodeState, history: RolloutHistory | None, handles: list[int] | None,

@@ -1,4 +1,6 @@
 """Per-row drafting decisions: the acceptance predictor, the round-cost model and the chooser."""
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
@@ -218,3 +220,29 @@ def test_drafts_that_do_not_pay_for_a_drafting_round_run_plain():
     assert one.reason == "chosen" and one.width == 0 and (one.source == NONE).all()
     many = chooser.assign(8, _view(8, history=[[1, 2, 3]] * 8), 0, None)
     assert (many.source == HISTORY).all() and many.width >= 1
+
+
+def test_drafting_rounds_that_return_less_than_plain_raise_the_margin_and_good_ones_lower_it():
+    """The predictor says history drafts are worth drafting; the rounds they get return 0.8 of what
+    plain decoding makes in the same time: the margin rises until the same drafts are no longer
+    verified. Rounds returning 1.3x bring it back to 1."""
+    costs = _costs_with_overhead(overhead=0.0)
+    chooser = DraftChooser(3, ("history",), costs=costs, probe_every=10_000)
+    _train(chooser, HISTORY, 0.5)
+    view = _view(8, history=[[1, 2, 3]] * 8)
+    plain_rate = 8 / costs.plain_seconds(8)
+    assert chooser.assign(8, view, 0, None).width >= 1
+    for _ in range(400):
+        plan = chooser.assign(8, view, 0, None)
+        if not plan.num_drafts.any():
+            break
+        chooser.settle(8, plan, 8, 8, 8 / (0.8 * plain_rate))        # 8 tokens where plain makes 10
+    assert chooser.margin[8] > 1.05 and chooser.returns(8) == pytest.approx(0.8)
+    assert not chooser.assign(8, view, 0, None).num_drafts.any()
+    assert chooser.threshold(8, 8) > costs.coefficients(8)[1] * 8 / costs.plain_seconds(8)
+    drafting = DraftChooser(3, ("history",), costs=costs, probe_every=10_000)
+    _train(drafting, HISTORY, 0.5)
+    drafting.margin[8] = 1.5
+    for _ in range(200):
+        drafting.settle(8, replace(fixed_plan(view, 2), reason="chosen"), 8, 13, 10 / plain_rate)
+    assert drafting.margin[8] == 1.0 and drafting.returns(8) == pytest.approx(1.3)

@@ -1,12 +1,16 @@
 """The engine's estimate of plain decoding, which the RL job's summary and the monitor report as
 speculation's speedup: priced by the round-cost model, rows leaving the batch as they finish."""
 import math
+import time
 
 import pytest
+import torch
 
 from experiments.async_rl import rollout_speed
 from rollout.engine.round_cost import RoundCostModel
 from rollout.monitor.monitor import AcceptanceMonitor, MonitorConfig
+from rollout import torch_engine
+from rollout.engine.round_cost import cost_clock
 from rollout.torch_engine import TorchEngine
 from rollout.types import Completion, RolloutBatch, SamplingParams
 
@@ -37,7 +41,8 @@ def test_plain_estimate_is_unknown_when_a_bucket_was_never_timed():
     assert math.isnan(costs.plain_decode_seconds([10, 10, 10, 3, 3], BUCKETS))   # 3 rows: bucket 4, untimed
 
 
-def test_the_engine_reports_its_plain_estimate(tiny_policy, tiny_heads):
+def test_the_engine_reports_its_plain_estimate(tiny_policy, tiny_heads, monkeypatch):
+    monkeypatch.setattr(torch_engine, "cost_clock", lambda device: time.perf_counter)   # wall = cost clock
     prompts = [[1, 2, 3, 4]] * 4
     sp = SamplingParams(max_new_tokens=24, temperature=1.0, num_draft_tokens=2, ignore_eos=True, seed=0)
     engine = TorchEngine(tiny_policy, tiny_heads)
@@ -48,6 +53,39 @@ def test_the_engine_reports_its_plain_estimate(tiny_policy, tiny_heads):
     assert batch.plain_estimate_s > want                    # + the prefill, which plain decoding runs too
     plain = TorchEngine(tiny_policy).generate(prompts, SamplingParams(max_new_tokens=8, seed=0))
     assert plain.plain_estimate_s == plain.wall_time_s
+
+
+def test_rounds_are_priced_by_cpu_time_on_one_cpu_thread():
+    assert torch.get_num_threads() == 1                          # conftest: tests run one thread
+    assert cost_clock(torch.device("cpu")) is time.thread_time
+    torch.set_num_threads(2)
+    try:
+        assert cost_clock(torch.device("cpu")) is time.perf_counter
+    finally:
+        torch.set_num_threads(1)
+    assert cost_clock(torch.device("meta")) is time.perf_counter
+
+
+def test_time_the_worker_is_not_computing_is_not_charged_to_rounds(tiny_policy, tiny_heads, monkeypatch):
+    """Another process taking the core mid-round (here: the round sleeping 30 ms) must not make the
+    round look expensive: the cost model sees CPU time, and the plain estimate keeps the call's
+    share of the machine."""
+    real_round = torch_engine.run_round
+
+    def interrupted(*args, **kwargs):
+        time.sleep(0.03)
+        return real_round(*args, **kwargs)
+
+    monkeypatch.setattr(torch_engine, "run_round", interrupted)
+    prompts = [[1, 2, 3, 4]] * 4
+    sp = SamplingParams(max_new_tokens=16, temperature=1.0, num_draft_tokens=2, ignore_eos=True, seed=0)
+    engine = TorchEngine(tiny_policy, tiny_heads)
+    engine.generate(prompts, sp)
+    batch = engine.generate(prompts, sp)
+    assert engine.chooser.costs.plain_seconds(4) < 0.03          # the sleep is not in a plain round's price
+    rounds = len(batch.completions[0].tokens) - 1
+    assert batch.wall_time_s > 0.03 * rounds / 3                 # the rounds did take the wall time
+    assert batch.plain_estimate_s > 0.03 * rounds / 3 * 0.5      # ...and the estimate is in wall seconds
 
 
 def test_monitor_and_job_summary_report_the_speedup(tmp_path):

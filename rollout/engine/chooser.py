@@ -15,6 +15,14 @@ after it), which keeps verification lossless (see rollout.engine.predictor).
 Head steps run for the whole batch, so their number h is chosen once per round before drafting, as
 the h with the most expected tokens per modelled second under the predictor's per-position levels.
 Every `probe_every` drafting rounds one round runs plain, so that the plain price stays measured.
+
+What drafting rounds actually returned closes the loop (`settle`): per bucket, the tokens they made
+against what plain decoding makes in the same time. While that falls short, the margin drafting
+must promise over plain decoding (`margin`, >= 1) rises; while it exceeds it, the margin falls back
+towards 1. The predictor and the cost model can each be right on average and the rounds chosen on
+them still lose (the rows and sources chosen are those whose estimates came out high), and at large
+batches a few percent of error decides whether drafting pays; the margin is decided from past
+rounds only, so it keeps verification lossless.
 Rows whose history draft is worth more than the heads' take the history draft. When a source has
 not been verified for `probe_every` rounds (it looked not worth it), one round verifies it anyway:
 one head token per row, or the history drafts of the rows that have one. Estimates that are never
@@ -25,12 +33,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import math
+
 import numpy as np
 
 from rollout.engine.predictor import HEADS, HISTORY, AcceptancePredictor
 from rollout.engine.round_cost import RoundCostModel
 
 NONE = -1
+MARGIN_STEP = 0.05          # log-margin change per drafting round per unit of shortfall
+MARGIN_MAX = 2.0
+RETURNS_HALFLIFE = 32.0     # drafting rounds
 
 
 @dataclass
@@ -72,12 +85,14 @@ class DraftChooser:
         self.rounds_without_heads = 0
         self.rounds_without_history = 0
         self._plain_round = False                  # head_steps() decided this round times a plain round
+        self.margin: dict[int, float] = {}         # bucket -> factor drafting must promise over plain
+        self._returns: dict[int, tuple[float, float]] = {}   # bucket -> decayed (tokens made, plain's tokens)
 
     # ------------------------------------------------------------------ threshold
     def threshold(self, bucket: int, active: int) -> float:
         """Expected tokens a verified draft must add to beat plain decoding for its time."""
         _, b, _ = self.costs.coefficients(bucket)
-        return b * active / self.costs.plain_seconds(bucket)
+        return self.margin.get(bucket, 1.0) * b * active / self.costs.plain_seconds(bucket)
 
     def _history_option(self, view: RowView, b: int, tau: float) -> tuple[int, np.ndarray, float]:
         """(drafts kept, their predicted acceptances, expected tokens) of row b's history draft."""
@@ -182,7 +197,25 @@ class DraftChooser:
         spent = self.costs.coefficients(bucket)[2] * head_steps
         drafting = self.costs.seconds(bucket, bucket + drafts, head_steps)
         plain = self.costs.plain_seconds(bucket) + spent
-        return (active + expected) / drafting >= active / plain
+        return (active + expected) / drafting >= self.margin.get(bucket, 1.0) * active / plain
+
+    def settle(self, bucket: int, plan: RoundPlan, active: int, tokens: int, seconds: float) -> None:
+        """A chosen drafting round's outcome: `tokens` made by `active` rows in `seconds` (the cost
+        clock's), against the tokens plain rounds of this bucket make in that time."""
+        if plan.reason != "chosen" or not plan.num_drafts.any() or not seconds > 0 or active == 0:
+            return
+        decay = 0.5 ** (1.0 / RETURNS_HALFLIFE)
+        made, plain = self._returns.get(bucket, (0.0, 0.0))
+        made = made * decay + tokens
+        plain = plain * decay + active * seconds / self.costs.plain_seconds(bucket)
+        self._returns[bucket] = (made, plain)
+        step = MARGIN_STEP * (1.0 - made / plain)
+        self.margin[bucket] = min(MARGIN_MAX, max(1.0, self.margin.get(bucket, 1.0) * math.exp(step)))
+
+    def returns(self, bucket: int) -> float:
+        """Recent chosen drafting rounds' tokens over what plain rounds make in their time (nan: none yet)."""
+        made, plain = self._returns.get(bucket, (0.0, 0.0))
+        return made / plain if plain > 0 else float("nan")
 
     def heads_changed(self) -> None:
         """New head weights: verify them next round instead of trusting the old estimates."""
