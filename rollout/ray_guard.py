@@ -271,6 +271,10 @@ def init_ray(address: str | None = None, **init_kwargs) -> GuardedRay | None:
     guard = start_guard() if local else None
     if local:
         init_kwargs.setdefault("dashboard_host", LOOPBACK)
+        # Ray starts its workers at niceness 15 and the driver keeps 0: the rollout workers, on the RL
+        # step's path as much as the trainer in the driver, lost the CPU to it. Workers keep the driver's
+        # priority; the co-trainer lowers its own (rollout.cotrainer_client).
+        init_kwargs["_system_config"] = {"worker_niceness": 0, **init_kwargs.get("_system_config", {})}
     try:
         for attempt in range(1, START_ATTEMPTS + 1):
             try:
