@@ -123,10 +123,15 @@ class Eagle3Drafter(nn.Module):
         return draft_ids if self.d2t is None else draft_ids + self.d2t[draft_ids]
 
     def to_policy(self, policy: CausalLM) -> "Eagle3Drafter":
-        """On the policy's device and dtype, RoPE tables kept in float32 (as build_model does)."""
+        """On the policy's device and dtype."""
         p = policy.model.embed_tokens.weight
-        out = self.to(device=p.device, dtype=p.dtype)
-        out.rotary.inv_freq = rope_inv_freq(self.config).to(p.device)
+        return self.to(device=p.device, dtype=p.dtype)
+
+    def _apply(self, fn, recurse: bool = True):
+        # .to(dtype) / .half() / .cuda() on the drafter or a module holding it: the RoPE table stays float32
+        # (as build_model keeps the policy's), on the weights' device
+        out = super()._apply(fn, recurse)
+        self.rotary.inv_freq = rope_inv_freq(self.config).to(self.fc.weight.device)
         return out
 
     # ------------------------------------------------------------------ forward pieces
@@ -134,11 +139,16 @@ class Eagle3Drafter(nn.Module):
         # tokens [B, T] -> [B, T, d]
         return (policy.model.embed_tokens if self.embed_tokens is None else self.embed_tokens)(tokens)
 
+    def prenorm(self, policy: CausalLM, tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
+                cache: Cache | None) -> torch.Tensor:
+        """tokens [B, T] (x_{i+1}); hidden [B, T, d] (fc(aux_i) or the previous step's pre-norm output);
+        positions [B, T] (i) -> the layer's pre-norm output [B, T, d], the state fed back at the next step."""
+        return self.midlayer(self.embed(policy, tokens), hidden, self.rotary(positions), positions, cache)
+
     def step(self, policy: CausalLM, tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
              cache: Cache | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """tokens [B, T] (x_{i+1}); hidden [B, T, d] (fc(aux_i) or the previous step's pre-norm output);
-        positions [B, T] (i) -> (post-norm [B, T, d] for logits, pre-norm [B, T, d] fed back)."""
-        pre = self.midlayer(self.embed(policy, tokens), hidden, self.rotary(positions), positions, cache)
+        """As `prenorm` -> (post-norm [B, T, d] for logits, pre-norm [B, T, d] fed back)."""
+        pre = self.prenorm(policy, tokens, hidden, positions, cache)
         return self.norm(pre), pre
 
     def draft_logits(self, post: torch.Tensor) -> torch.Tensor:

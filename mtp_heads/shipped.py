@@ -6,13 +6,17 @@
 it), made by `mtp-rollout train-heads heads_smollm2`; for a model the package ships none for, the
 heads `mtp-rollout train-heads model=<model>` cached under $MTP_ROLLOUT_CACHE/heads. `init`:
 untrained heads (a copy of the policy's last layer). Anything else is a checkpoint file written by
-mtp_heads.checkpoint.save_heads (train-heads or a co-trainer checkpoint).
+mtp_heads.checkpoint.save_heads (train-heads or a co-trainer checkpoint), or an EAGLE-3 drafter
+directory in vLLM's `eagle3` layout (mtp_heads.eagle3_checkpoint), which drafts through the same
+interface (mtp_heads.eagle3_drafter.Eagle3Heads).
 """
 from __future__ import annotations
 
 from pathlib import Path
 
 from mtp_heads.checkpoint import HeadMeta, default_heads_path, load_heads
+from mtp_heads.eagle3_checkpoint import CONFIG_FILE, drafter_layout, load_eagle3
+from mtp_heads.eagle3_drafter import Eagle3Heads
 from mtp_heads.heads import MTPHeads, init_heads
 from rollout.models.decoder import CausalLM
 
@@ -63,13 +67,13 @@ def check_heads_spec(key: str, spec: object) -> None:
 
 
 def resolve_heads(policy: CausalLM, spec: str, *, model: str, num_depths: int | None = None,
-                  seed: int = 0) -> tuple[MTPHeads, str]:
+                  seed: int = 0) -> tuple[MTPHeads | Eagle3Heads, str]:
     """Heads for `policy` from a `heads` setting, and a one-line description for logs.
 
-    spec: "shipped", "init" or a checkpoint path. model: the policy's model spec (names the shipped
-    file). num_depths: head modules (one recurrent depth drafts every position; None = 1 for "init",
-    what the file holds otherwise); a number must match the file's. ValueError naming the file or
-    the setting otherwise.
+    spec: "shipped", "init", a checkpoint path or an EAGLE-3 directory (or its config.json). model: the
+    policy's model spec (names the shipped file). num_depths: head modules (one recurrent depth drafts
+    every position; None = 1 for "init", what the file holds otherwise); a number must match the
+    file's (an EAGLE-3 drafter has one). ValueError naming the file or the setting otherwise.
     """
     check_heads_spec("heads", spec)
     if spec == "init":
@@ -82,10 +86,25 @@ def resolve_heads(policy: CausalLM, spec: str, *, model: str, num_depths: int | 
                              "or heads=init")
     else:
         path = Path(spec).expanduser()
+        if path.is_dir() or (path.name == CONFIG_FILE and path.is_file()):
+            return _resolve_eagle3(policy, path, num_depths)
         if not path.is_file():
-            raise ValueError(f"heads={spec!r}: no such heads file; use shipped, init or a checkpoint path")
+            raise ValueError(f"heads={spec!r}: no such heads file or EAGLE-3 directory; use shipped, init or a "
+                             "checkpoint path")
     heads, meta = load_heads(path, policy)
     if num_depths is not None and meta.num_depths != num_depths:
         raise ValueError(f"{path} holds {meta.num_depths} MTP depths but {num_depths} were asked for; "
                          f"set num_depths={meta.num_depths}")
     return heads, f"{spec if spec != 'shipped' else path.name} ({meta.loss} loss, {meta.steps} steps)"
+
+
+def _resolve_eagle3(policy: CausalLM, path: Path, num_depths: int | None) -> tuple[Eagle3Heads, str]:
+    """An EAGLE-3 drafter directory as the engine's drafter; its config is checked against the policy
+    before a tensor is read (load_eagle3 names the file and the mismatch)."""
+    drafter_layout(path)                      # a directory in neither layout: says which are accepted
+    if num_depths not in (None, 1):
+        raise ValueError(f"{path} is an EAGLE-3 drafter (one recurrent layer) but num_depths={num_depths} was asked "
+                         "for; set num_depths=1 or leave it unset")
+    drafter = load_eagle3(path, policy)
+    vocab = "" if drafter.d2t is None else f", draft vocabulary {drafter.draft_vocab_size}"
+    return Eagle3Heads(drafter), f"{path} (EAGLE-3, aux layers {list(drafter.aux_layer_ids)}{vocab})"

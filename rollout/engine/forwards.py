@@ -31,7 +31,11 @@ def _configure_dynamo() -> None:
 
 
 class Forwards:
-    """target(tokens, start, cache) -> hidden and head(j, ...) -> hidden, compiled or eager."""
+    """target(tokens, start, cache) -> hidden and head(j, ...) -> hidden, compiled or eager.
+
+    A target forward asked for `aux_layers` also keeps the residual-stream states after those layers
+    (0 = the embeddings), concatenated in ascending order, in `aux_states` ([B, T, n d], packed [N, n d]):
+    what an EAGLE-3 drafter reads. Forwards that ask for none do no extra work."""
 
     def __init__(self, policy: CausalLM, heads: MTPHeads | None, compile: bool | None):
         self.policy, self.heads = policy, heads
@@ -41,6 +45,7 @@ class Forwards:
                        and sum(p.numel() for p in policy.parameters()) >= AUTO_COMPILE_MIN_PARAMS)
         self.compiled = bool(compile)
         self.compile_times: dict[tuple, float] = {}  # (graph, shapes) -> seconds of its first call
+        self.aux_states: torch.Tensor | None = None   # of the last target forward that asked for aux layers
         if self.compiled:   # eager calls the modules on the real caches (target, head)
             _configure_dynamo()
             mode = "reduce-overhead" if self.device.type == "cuda" else None
@@ -48,26 +53,39 @@ class Forwards:
             self._depth = torch.compile(_depth_body, dynamic=False, mode=mode)
 
     def set_heads(self, heads: MTPHeads | None) -> None:
+        """The engine's drafter; one that reads the policy's intermediate layers (`aux_layer_ids`, EAGLE-3)
+        is attached to the policy, so that it sees the prefill's states too."""
+        if self.heads is not None and self.heads is not heads and hasattr(self.heads, "release"):
+            self.heads.release()
         self.heads = heads
+        if getattr(heads, "aux_layer_ids", ()):
+            heads.attach(self.policy)
 
     # ------------------------------------------------------------------ calls
-    def target(self, tokens: torch.Tensor, start: torch.Tensor, cache: Cache) -> torch.Tensor:
+    def target(self, tokens: torch.Tensor, start: torch.Tensor, cache: Cache,
+               aux_layers: tuple[int, ...] = ()) -> torch.Tensor:
         # tokens [B, T] at positions start[b] .. start[b]+T-1 -> final-norm hidden [B, T, d]
         model = self.policy.model
         positions = start[:, None] + torch.arange(tokens.shape[1], device=tokens.device)
         cos, sin = model.rotary(positions)
         x = model.embed_tokens(tokens)
+        aux = [x] if 0 in aux_layers else []
         if not self.compiled:   # the cache itself: its layers share one attention plan and its read window
             for i, layer in enumerate(model.layers):
                 x = layer(x, (cos, sin), positions, cache, i)
-            return model.norm(x)
-        key = ("layer", tuple(tokens.shape), cache.max_len)
-        for i, layer in enumerate(model.layers):
-            x = self._call(key, self._layer, layer, x, cos, sin, positions, cache.k[i], cache.v[i])
+                if aux_layers and i + 1 in aux_layers:
+                    aux.append(x)
+        else:
+            key = ("layer", tuple(tokens.shape), cache.max_len)
+            for i, layer in enumerate(model.layers):
+                x = self._call(key, self._layer, layer, x, cos, sin, positions, cache.k[i], cache.v[i])
+                if aux_layers and i + 1 in aux_layers:
+                    aux.append(x)
+        self.aux_states = torch.cat(aux, dim=-1) if aux_layers else None
         return model.norm(x)
 
     def target_packed(self, tokens: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor,
-                      query_start: torch.Tensor, cache: PagedKVCache) -> torch.Tensor:
+                      query_start: torch.Tensor, cache: PagedKVCache, aux_layers: tuple[int, ...] = ()) -> torch.Tensor:
         """tokens, positions, rows [N]: each row's run of consecutive positions, rows in cache order
         (query_start [B+1] int32 offsets) -> final-norm hidden [N, d]. Eager, paged caches only: the
         variable per-row lengths go to the attention kernel as they are, without padding."""
@@ -75,20 +93,25 @@ class Forwards:
         positions = positions[None]                                                   # [1, N]
         cos, sin = model.rotary(positions)
         x = model.embed_tokens(tokens[None])
+        aux = [x] if 0 in aux_layers else []
         cache.packed(rows, query_start)
         try:
             for i, layer in enumerate(model.layers):
                 x = layer(x, (cos, sin), positions, cache, i)
+                if aux_layers and i + 1 in aux_layers:
+                    aux.append(x)
         finally:
             cache.packing = None
+        self.aux_states = torch.cat(aux, dim=-1)[0] if aux_layers else None
         return model.norm(x)[0]
 
     def head(self, j: int, prev: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor,
              cache: Cache) -> torch.Tensor:
         # depth j (0-based); prev [B, T, d]; tokens, positions [B, T] -> [B, T, d]
-        depth = self.heads.depths[j]
-        if not (self.compiled and type(depth) is MTPDepth):   # another drafter: its own forward, eager
+        if not (self.compiled and isinstance(self.heads, MTPHeads) and type(self.heads.depths[j]) is MTPDepth):
+            # another drafter (EAGLE-3, a test's): its own forward, eager
             return self.heads.depth_forward(j, self.policy, prev, tokens, positions, cache)
+        depth = self.heads.depths[j]
         cos, sin = self.policy.model.rotary(positions)
         embeds = self.policy.model.embed_tokens(tokens)
         key = ("depth", tuple(tokens.shape), cache.max_len)
@@ -118,8 +141,9 @@ def _cache_of(k: list[torch.Tensor], v: list[torch.Tensor]) -> KVCache:
 
 
 def _layer_body(layer: DecoderLayer, x, cos, sin, positions, k_cache, v_cache) -> torch.Tensor:
-    # x [B, T, d]; cos, sin [B, 1, T, hd]; positions [B, T]; k_cache, v_cache [B, L, H_kv, hd]
-    return layer(x, (cos, sin), positions, _cache_of([k_cache], [v_cache]), 0)
+    # x [B, T, d]; cos, sin [B, 1, T, hd]; positions [B, T]; k_cache, v_cache [B, L, H_kv, hd]. `forward`, not
+    # the module call: forward hooks on the policy's layers (an EAGLE-3 drafter's prefill tap) stay out of graphs
+    return layer.forward(x, (cos, sin), positions, _cache_of([k_cache], [v_cache]), 0)
 
 
 def _depth_body(depth: MTPDepth, prev, embeds, cos, sin, positions, k_caches, v_caches) -> torch.Tensor:

@@ -136,9 +136,12 @@ def run_round(ctx: RoundContext, st: DecodeState, view: RowView, chooser: DraftC
         else:
             width = bucket(k + 1, ctx.verify_widths)
             padded = torch.cat([tokens, tokens.new_zeros(B, width - k - 1)], dim=1)        # [B, width]
-            hidden = ctx.forwards.target(padded, c - 1, st.target)[:, :k + 1]              # [B, k+1, d]
+            hidden = ctx.forwards.target(padded, c - 1, st.target, _aux_layers(ctx, st))[:, :k + 1]  # [B, k+1, d]
             positions = (c - 1)[:, None] + torch.arange(k + 1, device=dev)
-            st.hidden[torch.arange(B, device=dev)[:, None], positions] = hidden
+            rows = torch.arange(B, device=dev)[:, None]
+            st.hidden[rows, positions] = hidden
+            if st.draft_states is not None:
+                st.draft_states[rows, positions] = ctx.heads.draft_states(ctx.forwards.aux_states[:, :k + 1])
             hidden = hidden.reshape(B * (k + 1), -1)
             index = torch.arange(B * (k + 1), device=dev).view(B, k + 1)
             verified = B * width
@@ -210,10 +213,19 @@ def _verify_packed(ctx: RoundContext, st: DecodeState, tokens: torch.Tensor, num
     flat_tokens = tokens[rows, offset.clamp_max(width - 1)]
     flat_tokens = torch.where(offset < counts[rows], flat_tokens, 0)
     positions = positions.clamp_max(st.max_len - 1)
-    hidden = ctx.forwards.target_packed(flat_tokens, positions, rows, starts.to(torch.int32), st.target)
+    hidden = ctx.forwards.target_packed(flat_tokens, positions, rows, starts.to(torch.int32), st.target,
+                                        _aux_layers(ctx, st))
     st.hidden[rows, positions] = hidden
+    if st.draft_states is not None:
+        st.draft_states[rows, positions] = ctx.heads.draft_states(ctx.forwards.aux_states)
     index = starts[:B, None] + torch.minimum(torch.arange(width, device=dev)[None], num_drafts[:, None])
     return hidden, index, N
+
+
+def _aux_layers(ctx: RoundContext, st: DecodeState) -> tuple[int, ...]:
+    """The policy layers a target forward keeps states of: those the drafter reads when it does not read
+    the final state (EAGLE-3), else none."""
+    return ctx.heads.aux_layer_ids if st.draft_states is not None else ()
 
 
 # --------------------------------------------------------------------------------- draft
@@ -228,7 +240,7 @@ def draft(ctx: RoundContext, st: DecodeState, k: int):
     rows = torch.arange(st.batch, device=c.device)
     tokens, probs, bad = [], [], torch.zeros_like(st.finished)
     keys = KeyedDraws(ctx.seed, st.row_ids, c)
-    prev_buffer = st.hidden
+    prev_buffer = st.drafter_input
     for j in range(1, min(k, D) + 1):
         update_head_cache(ctx, st, j, prev_buffer)
         ctx.draft_keys = keys.at(j - 1)
@@ -271,10 +283,19 @@ def update_head_cache(ctx: RoundContext, st: DecodeState, j: int, prev_buffer: t
 
 def fill_head_caches(heads: MTPHeads, policy: CausalLM, st: DecodeState) -> None:
     """After prefill: depth j's cache over the committed tokens, positions 0 .. c-1-j (eager,
-    once per call); leaves head_len = c-j and a lag bound of j-1 for the first round."""
+    once per call); leaves head_len = c-j and a lag bound of j-1 for the first round.
+
+    A drafter that reads the policy's intermediate layers (`aux_layer_ids`: EAGLE-3) gets its own
+    states buffer, filled here over the prompts from the prefill's states and by every verification
+    after (run_round); other drafters read the policy's final states, `hidden`."""
     c = st.committed
     rows = torch.arange(st.batch, device=c.device)[:, None]
-    prev_buffer = st.hidden
+    if getattr(heads, "aux_layer_ids", ()):
+        P = int(st.prompt_len.max())
+        prompts = torch.where(torch.arange(P, device=c.device) < st.prompt_len[:, None], st.seq[:, :P], 0)
+        st.draft_states = torch.zeros_like(st.hidden)
+        st.draft_states[:, :P] = heads.prompt_draft_states(policy, prompts)   # as the prefill ran them
+    prev_buffer = st.drafter_input
     for j in range(1, heads.num_depths + 1):
         width = int((c - j).clamp_min(1).max())
         pos = torch.arange(width, device=c.device).expand(st.batch, width)

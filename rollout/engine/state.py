@@ -7,7 +7,9 @@ and hands the finished ones to `Results`, so that finished rows cost nothing.
 Invariants per row b, with c[b] = committed tokens (prompt + emitted):
   * seq[b, :c]   holds them; seq[b, c-1] (the pending token) is not yet in the target cache;
   * the target cache holds positions 0 .. c-2 and hidden[b, i] is the policy's state there;
-  * head depth j's cache holds valid entries for positions < head_len[j][b].
+  * head depth j's cache holds valid entries for positions < head_len[j][b];
+  * depth 1 reads, at position i, drafter_input[b, i]: the policy's state hidden[b, i], or for a drafter
+    that reads the policy's intermediate layers (EAGLE-3) draft_states[b, i], stored beside it.
 """
 from __future__ import annotations
 
@@ -38,6 +40,14 @@ class DecodeState:
     head_lag: list[int] = field(default_factory=list)
     # host-side bound on max(c): the caches' read window follows it (round.set_read_window)
     longest: int = 0
+    # [B, L, d] what the drafter reads at each position when that is not the policy's final state (EAGLE-3:
+    # fc over the aux layers' states); None = it reads `hidden`
+    draft_states: torch.Tensor | None = None
+
+    @property
+    def drafter_input(self) -> torch.Tensor:
+        """[B, L, d] what head depth 1 reads at each position."""
+        return self.hidden if self.draft_states is None else self.draft_states
 
     @property
     def batch(self) -> int:
@@ -60,7 +70,8 @@ def gather_rows(state: DecodeState, idx: torch.Tensor, target: Cache, heads: lis
     rows = {f.name: getattr(state, f.name)[idx] for f in fields(state) if f.name in _ROW_TENSORS}
     return DecodeState(**rows, target=target, heads=heads, head_len=[h[idx] for h in state.head_len],
                        head_hidden=[h[idx] for h in state.head_hidden], head_lag=list(state.head_lag),
-                       longest=state.longest)
+                       longest=state.longest,
+                       draft_states=None if state.draft_states is None else state.draft_states[idx])
 
 
 class Results:
