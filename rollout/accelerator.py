@@ -14,6 +14,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import ray
@@ -58,6 +59,16 @@ class AcceleratorConfig:
         parse_dtype(self.dtype)
         from mtp_heads.shipped import check_heads_spec
         check_heads_spec("heads", self.heads)   # a run sets it as `heads`
+        if self.heads not in ("shipped", "init") and Path(self.heads).exists():
+            from mtp_heads.eagle3_checkpoint import drafter_layout
+            try:
+                eagle3 = drafter_layout(self.heads) == "eagle3"
+            except ValueError:
+                eagle3 = False                  # not a drafter at all: the heads loader names the file
+            if eagle3:
+                raise ValueError(f"heads={self.heads} is an EAGLE-3 drafter: the Ray workers behind run and "
+                                 "RolloutAccelerator draft with MTP heads only; EAGLE-3 drafts in the torch engine "
+                                 "(generate, bench-decode, TorchEngine) and in vLLM (draft_method=eagle3)")
         if self.num_depths < 1:
             raise ValueError(f"accelerator.num_depths must be >= 1, got {self.num_depths}")
 

@@ -114,3 +114,12 @@ def test_heads_file_of_the_right_model_passes_the_checks(tmp_path):
     policy = async_rl.load_rl_policy(cfg.accelerator.model, "float32", cfg.seed)
     assert async_rl.make_heads(policy, cfg).num_depths == 2
     assert not (tmp_path / "run").exists()
+
+
+def test_an_eagle3_drafter_is_refused_by_run_naming_where_it_drafts(tmp_path, capsys, no_ray, no_model):
+    from mtp_heads.eagle3 import init_eagle3
+    from mtp_heads.eagle3_checkpoint import save_eagle3
+
+    drafter_dir = save_eagle3(tmp_path / "eagle3", init_eagle3(random_model(TINY_RANDOM, seed=0)))
+    line = refused(capsys, tmp_path / "run", f"heads={drafter_dir}")
+    assert f"heads={drafter_dir} is an EAGLE-3 drafter" in line and "draft_method=eagle3" in line, line
