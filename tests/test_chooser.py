@@ -246,3 +246,7 @@ def test_drafting_rounds_that_return_less_than_plain_raise_the_margin_and_good_o
     for _ in range(200):
         drafting.settle(8, replace(fixed_plan(view, 2), reason="chosen"), 8, 13, 10 / plain_rate)
     assert drafting.margin[8] == 1.0 and drafting.returns(8) == pytest.approx(1.3)
+    wasted = DraftChooser(3, ("heads",), costs=costs, probe_every=10_000)     # head steps, then nothing verified
+    for _ in range(50):
+        wasted.settle(8, replace(fixed_plan(view, 0), head_steps=1, reason="chosen"), 8, 8, 1.2 * 8 / plain_rate)
+    assert wasted.margin[8] > 1.05 and wasted.returns(8) == pytest.approx(1 / 1.2)

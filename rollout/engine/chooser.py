@@ -201,8 +201,11 @@ class DraftChooser:
 
     def settle(self, bucket: int, plan: RoundPlan, active: int, tokens: int, seconds: float) -> None:
         """A chosen drafting round's outcome: `tokens` made by `active` rows in `seconds` (the cost
-        clock's), against the tokens plain rounds of this bucket make in that time."""
-        if plan.reason != "chosen" or not plan.num_drafts.any() or not seconds > 0 or active == 0:
+        clock's), against the tokens plain rounds of this bucket make in that time. A round that ran
+        head steps and then verified nothing (no row's draft was worth it) counts: its head steps
+        were spent on drafting."""
+        drafted = plan.num_drafts.any() or plan.head_steps > 0
+        if plan.reason != "chosen" or not drafted or not seconds > 0 or active == 0:
             return
         decay = 0.5 ** (1.0 / RETURNS_HALFLIFE)
         made, plain = self._returns.get(bucket, (0.0, 0.0))
