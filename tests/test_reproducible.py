@@ -159,6 +159,21 @@ DRAFTING = ("acceptance", "draft", "accepted", "slope", "bins_step", "drafting",
             "plain_estimate", "alerts", "calibration")
 
 
+def _close(a, b) -> bool:
+    """Equal, but floats to float32 round-off: a drafted position's entropy and log-probability come
+    from the verification forward, which computes several positions at once (another reduction order
+    than plain decoding's one-token forward; measured ~1e-8 relative on an AMD EPYC). Counts, tokens
+    and rewards, integers or exact floats, must still be equal: a 1e-6 tolerance on them would not
+    hide a different token."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_close(a[k], b[k]) for k in a)
+    if isinstance(a, list) and isinstance(b, list):
+        return len(a) == len(b) and all(_close(x, y) for x, y in zip(a, b))
+    if isinstance(a, float) and isinstance(b, float):
+        return math.isclose(a, b, rel_tol=1e-6, abs_tol=1e-6)
+    return a == b
+
+
 def _without(record, words):
     if isinstance(record, dict):
         return {k: _without(v, words) for k, v in record.items() if not any(w in k for w in words)}
@@ -170,8 +185,8 @@ def _without(record, words):
 def test_a_seeded_run_repeats_and_point_mass_drafting_does_not_change_it(tmp_path):
     """The smoke job (heads fixed: refresh=never), seed fixed: (a) run twice with fixed draft lengths, its monitor
     and RL records are identical but for times; (b) with greedy head drafts and history chosen per row from
-    measured round times, every record of the policy's side (tokens' entropy, rewards, training) is that of
-    plain decoding."""
+    measured round times, every record of the policy's side (tokens, rewards, and to float32 round-off the
+    entropies and training statistics) is that of plain decoding."""
     from experiments.async_rl import main
     from rollout.ray_guard import local_ray
 
@@ -191,7 +206,7 @@ def test_a_seeded_run_repeats_and_point_mass_drafting_does_not_change_it(tmp_pat
         a, b = steps("fixed_a", file, TIMES), steps("fixed_b", file, TIMES)
         assert len(a) == 4 and a == b
         plain, greedy = steps("plain", file, TIMES + DRAFTING), steps("greedy", file, TIMES + DRAFTING)
-        assert len(plain) == 4 and plain == greedy
+        assert len(plain) == 4 and _close(plain, greedy), (plain, greedy)
     greedy_mon = _records(tmp_path / "greedy", "monitor.jsonl")
     assert sum(r.get("num_drafts", 0) for r in greedy_mon) > 0                        # it did draft
     assert all(math.isfinite(r["train"]["entropy"]) for r in _records(tmp_path / "plain", "rl.jsonl"))
