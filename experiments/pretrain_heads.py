@@ -10,7 +10,9 @@ overrides follow, exactly like `mtp-rollout run`. Data: a token store (data.stor
 experiments/build_head_data.py) or, without one, the policy's own rollouts (data.generate).
 Writes into out_dir: heads.safetensors (the heads, header inside), heads.train.pt (optimizer state
 for resume), heads.run.json (resolved config, losses, the held-out/training acceptance curve,
-timings) and heads.config.yaml.
+timings) and heads.config.yaml. With train.drafter=eagle3 (the eagle3_smollm2 preset) the drafter is
+an EAGLE-3 directory, <out_dir>/eagle3/ (config.json + model.safetensors, vLLM's layout), with
+eagle3.train.pt, eagle3.run.json and eagle3.config.yaml beside it.
 """
 from __future__ import annotations
 
@@ -30,9 +32,8 @@ import torch
 from experiments.heads_data import GenerateConfig
 from mtp_heads.checkpoint import read_meta
 from mtp_heads.evaluate import EvalSet, format_acceptance, teacher_forced_acceptance
-from mtp_heads.heads import MTPHeads
 from mtp_heads.pretrain import SHIPPED_INIT, TrainConfig, train_heads
-from mtp_heads.shipped import HEADS_FILE, shipped_heads_path, trained_heads_path
+from mtp_heads.shipped import HEADS_FILE, shipped_heads_path, trained_heads_dir, trained_heads_path
 from mtp_heads.token_data import draft_vocab_from_counts, trained_token_counts
 from rollout.config_loader import CONFIGS_DIR, config_help, load_config, packaged_config, wants_help
 from rollout.fileio import atomic_write
@@ -50,7 +51,16 @@ class DataConfig:
     sources: list[str] = field(default_factory=lambda: ["sharegpt", "onpolicy"])   # store sources used
     vocab_count_sequences: int = 4000   # training sequences whose trained tokens are counted for the draft vocab
     max_train_sequences: int = 0        # use only the first n training sequences (0 = all): pins a growing store
+    aux_states: str = "record"          # eagle3: `record` the training sequences' aux states once (under
+                                        # $MTP_ROLLOUT_CACHE/aux_states/) or `recompute` them every step
     generate: GenerateConfig = field(default_factory=GenerateConfig)   # rollouts when there is no store
+
+    def __post_init__(self) -> None:
+        if self.aux_states not in AUX_STATES:
+            raise ValueError(f"data.aux_states={self.aux_states!r}: choose one of {list(AUX_STATES)}")
+
+
+AUX_STATES = ("record", "recompute")
 
 
 @dataclass(frozen=True)
@@ -67,6 +77,8 @@ class EvalConfig:
     speedup_prompts: int = 0            # batch-1 plain vs speculative decode prompts (0 = skip)
     heldout_sources: list[str] = field(default_factory=list)   # also score each of these store sources' held-out split on its own
     at_start: bool = False              # also score the initial heads (step 0): the curve's start when fine-tuning
+    compare: list[str] = field(default_factory=list)   # other drafters scored at the end on the same held-out
+                                                       # sets: `shipped`, a heads .safetensors or an EAGLE-3 directory
 
     def __post_init__(self) -> None:
         """Refused before the model loads and training starts (a bad value used to fail after it)."""
@@ -147,12 +159,15 @@ def open_data(cfg: TrainHeadsConfig, policy, encode, progress: bool):
 EVAL_SET_FORMAT = 2     # EvalSet.to_state (format 1 pickled DistillBatch objects)
 
 
-def cached_eval_set(policy, source, ev: EvalConfig, n: int, key: dict) -> EvalSet:
+def cached_eval_set(policy, source, ev: EvalConfig, n: int, key: dict,
+                    aux_layer_ids: tuple[int, ...] | None = None) -> EvalSet:
     """EvalSet.build, reused across runs on the same data (the full-vocabulary normaliser is the
-    expensive part): $MTP_ROLLOUT_CACHE/eval_sets/<hash of data, sequences, settings>.pt."""
+    expensive part): $MTP_ROLLOUT_CACHE/eval_sets/<hash of data, sequences, settings>.pt. With
+    aux_layer_ids the set also holds the aux states an EAGLE-3 drafter reads (same sequences)."""
     n = min(n, len(source))
     blob = json.dumps({"format": EVAL_SET_FORMAT, "key": key, "n": n, "len": ev.max_seq_len, "T": ev.temperatures,
-                       "policy": policy.config.fingerprint(), "lengths": [len(source[i].tokens) for i in range(n)]},
+                       "policy": policy.config.fingerprint(), "lengths": [len(source[i].tokens) for i in range(n)],
+                       **({"aux": list(aux_layer_ids)} if aux_layer_ids else {})},
                       sort_keys=True, default=str)
     path = cache_dir() / "eval_sets" / f"{hashlib.sha256(blob.encode()).hexdigest()[:20]}.pt"
     if path.is_file():
@@ -160,7 +175,8 @@ def cached_eval_set(policy, source, ev: EvalConfig, n: int, key: dict) -> EvalSe
             return EvalSet.from_state(torch.load(path, map_location=policy.lm_head_weight.device, weights_only=True))
         except Exception as e:  # noqa: BLE001 - any failure means: build it again
             print(f"train-heads: rebuilding the evaluation set, {path} is unreadable ({type(e).__name__})", flush=True)
-    es = EvalSet.build(policy, source, ev.temperatures, max_sequences=n, max_seq_len=ev.max_seq_len)
+    es = EvalSet.build(policy, source, ev.temperatures, max_sequences=n, max_seq_len=ev.max_seq_len,
+                       aux_layer_ids=aux_layer_ids)
     buf = io.BytesIO()
     torch.save(es.to_state(), buf)
     atomic_write(path, buf.getvalue())
@@ -176,8 +192,59 @@ def draft_vocab_for(cfg: TrainHeadsConfig, policy, train) -> torch.Tensor | None
 
 
 def heads_file(cfg: TrainHeadsConfig) -> Path:
-    """<out_dir>/heads.safetensors, or the cached heads of cfg.model that heads=shipped falls back to."""
+    """<out_dir>/heads.safetensors, or the cached heads of cfg.model that heads=shipped falls back to;
+    for train.drafter=eagle3 the directory <out_dir>/eagle3 (default: beside those cached heads)."""
+    if cfg.train.drafter == "eagle3":
+        return (Path(cfg.out_dir).expanduser() if cfg.out_dir else trained_heads_dir(cfg.model)) / EAGLE3_DIR
     return Path(cfg.out_dir).expanduser() / HEADS_FILE if cfg.out_dir else trained_heads_path(cfg.model)
+
+
+EAGLE3_DIR = "eagle3"   # train-heads' EAGLE-3 output directory inside out_dir
+
+
+def eagle3_aux_ids(cfg: TrainHeadsConfig, policy) -> tuple[int, ...] | None:
+    """The aux layers the EAGLE-3 drafter reads, checked against the policy before any data or training
+    (None for heads); a bad value is one line naming the key and the value."""
+    if cfg.train.drafter != "eagle3":
+        return None
+    from mtp_heads.eagle3_checkpoint import aux_layer_ids_of, check_eagle3_dir
+    from mtp_heads.eagle3_train import EAGLE3_INITS, aux_layer_ids_for
+    if cfg.train.init not in EAGLE3_INITS:                     # an EAGLE-3 directory to fine-tune
+        raw = check_eagle3_dir(Path(cfg.train.init).expanduser(), policy)
+        ids = tuple(aux_layer_ids_of(raw, policy.config.num_hidden_layers))
+        if cfg.train.aux_layer_ids and tuple(cfg.train.aux_layer_ids) != ids:
+            raise ValueError(f"train.aux_layer_ids={list(cfg.train.aux_layer_ids)} but train.init={cfg.train.init} "
+                             f"reads aux layers {list(ids)}; leave train.aux_layer_ids empty to keep them")
+        return ids
+    try:
+        return aux_layer_ids_for(policy, cfg.train.aux_layer_ids)
+    except ValueError as e:
+        raise ValueError(f"train.aux_layer_ids={list(cfg.train.aux_layer_ids)}: {e}") from None
+
+
+def load_drafter(spec: str, policy, model: str):
+    """A drafter to compare (eval.compare): `shipped`, a heads .safetensors or an EAGLE-3 directory."""
+    from mtp_heads.checkpoint import load_heads
+    from mtp_heads.eagle3_checkpoint import drafter_layout, load_eagle3
+    path = shipped_heads_path(model) if spec == SHIPPED_INIT else Path(spec).expanduser()
+    if path is None:
+        raise ValueError(f"eval.compare: no heads are shipped for model {model!r}")
+    try:
+        layout = drafter_layout(path)
+    except ValueError as e:
+        raise ValueError(f"eval.compare={spec!r}: {e}") from None
+    drafter = load_heads(path, policy)[0] if layout == "heads" else load_eagle3(path, policy)
+    return drafter.float().eval()         # scored in float32, as the trained drafter is
+
+
+def with_aux_states(cfg: TrainHeadsConfig, policy, train, aux_ids: tuple[int, ...], where: dict):
+    """The training source with recorded aux states (data.aux_states=record), computed once per
+    (data, sequences, layers, policy) and kept under $MTP_ROLLOUT_CACHE/aux_states/."""
+    from mtp_heads.data.aux_states import record_aux_states
+    blob = json.dumps({"where": where, "n": len(train), "aux": list(aux_ids), "policy": policy.config.fingerprint()},
+                      sort_keys=True, default=str)
+    path = cache_dir() / "aux_states" / f"{hashlib.sha256(blob.encode()).hexdigest()[:20]}.npy"
+    return record_aux_states(policy, train, aux_ids, path, log=lambda m: print(f"train-heads: {m}", flush=True))
 
 
 def with_shipped_init(cfg: TrainHeadsConfig) -> TrainHeadsConfig:
@@ -217,14 +284,24 @@ def run(cfg: TrainHeadsConfig, resolved: str = "", policy=None, loaded=None) -> 
                 raise ValueError("generating head training data needs the model's tokenizer: pass `loaded`, "
                                  "or point data.store at a token store")
             return ChatCodec(loaded).encode_prompt(text)
-    train, held, data_desc = open_data(cfg, policy, encode, cfg.progress)
-    vocab = None if cfg.train.init.endswith(".safetensors") and not cfg.train.draft_vocab_size else \
-        draft_vocab_for(cfg, policy, train)
-    t_eval = time.perf_counter()
+    aux_ids = eagle3_aux_ids(cfg, policy)
     ev = cfg.eval
+    if aux_ids is not None and (ev.engine_prompts or ev.speedup_prompts):
+        raise ValueError(f"eval.engine_prompts={ev.engine_prompts} / eval.speedup_prompts={ev.speedup_prompts}: the "
+                         "engine runs of train-heads draft with heads; set both to 0 for train.drafter=eagle3")
+    compare = {spec: load_drafter(spec, policy, cfg.model) for spec in ev.compare}
+    train, held, data_desc = open_data(cfg, policy, encode, cfg.progress)
+    keep_vocab = cfg.train.init.endswith(".safetensors") and not cfg.train.draft_vocab_size or \
+        aux_ids is not None and Path(cfg.train.init).expanduser().is_dir()     # a checkpoint keeps its own
+    vocab = None if keep_vocab else draft_vocab_for(cfg, policy, train)
     where = {k: data_desc.get(k) for k in ("store", "sources", "generated")}   # not the (growing) sizes
-    held_set = cached_eval_set(policy, held, ev, ev.heldout_sequences, {"split": "heldout", **where})
-    train_set = cached_eval_set(policy, train, ev, ev.train_sequences, {"split": "train", **where}) \
+    t_aux = time.perf_counter()
+    if aux_ids is not None and cfg.data.aux_states == "record":
+        train = with_aux_states(cfg, policy, train, aux_ids, {**where, "max_train_sequences": cfg.data.max_train_sequences})
+    aux_record_s = time.perf_counter() - t_aux
+    t_eval = time.perf_counter()
+    held_set = cached_eval_set(policy, held, ev, ev.heldout_sequences, {"split": "heldout", **where}, aux_ids)
+    train_set = cached_eval_set(policy, train, ev, ev.train_sequences, {"split": "train", **where}, aux_ids) \
         if ev.train_sequences else None
     by_source = {}
     if ev.heldout_sources:
@@ -233,18 +310,23 @@ def run(cfg: TrainHeadsConfig, resolved: str = "", policy=None, loaded=None) -> 
         from mtp_heads.data.token_store import TokenStore
         store = TokenStore(Path(cfg.data.store).expanduser())
         by_source = {src: cached_eval_set(policy, store.split("heldout", sources=[src]), ev, ev.heldout_sequences,
-                                          {"split": "heldout", "store": cfg.data.store, "sources": [src]})
+                                          {"split": "heldout", "store": cfg.data.store, "sources": [src]}, aux_ids)
                      for src in ev.heldout_sources}
     eval_build_s = time.perf_counter() - t_eval
     eval_seconds = [0.0]
 
-    def on_eval(step: int, heads: MTPHeads) -> dict:
-        t = time.perf_counter()
-        res = {"heldout": teacher_forced_acceptance(policy, heads, held_set, ev.steps)}
+    def score(drafter) -> dict:
+        """Held-out (and training) acceptance of heads or an EAGLE-3 drafter on this run's sets."""
+        res = {"heldout": teacher_forced_acceptance(policy, drafter, held_set, ev.steps)}
         for src, es in by_source.items():
-            res[f"heldout_{src}"] = teacher_forced_acceptance(policy, heads, es, ev.steps)
+            res[f"heldout_{src}"] = teacher_forced_acceptance(policy, drafter, es, ev.steps)
         if train_set is not None:
-            res["train"] = teacher_forced_acceptance(policy, heads, train_set, ev.steps)
+            res["train"] = teacher_forced_acceptance(policy, drafter, train_set, ev.steps)
+        return res
+
+    def on_eval(step: int, heads) -> dict:
+        t = time.perf_counter()
+        res = score(heads)
         eval_seconds[0] += time.perf_counter() - t
         T1 = max(ev.temperatures)
         h = res["heldout"][T1]["rejection"]
@@ -272,18 +354,24 @@ def run(cfg: TrainHeadsConfig, resolved: str = "", policy=None, loaded=None) -> 
               "steps": result.steps, "losses": result.losses, "history": result.history,
               "final": result.history[-1] if result.history else None,
               "train_seconds_this_call": train_s, "eval_seconds": eval_seconds[0], "eval_build_seconds": eval_build_s,
+              "aux_record_seconds": aux_record_s,
               "train_tokens_per_s": result.tokens_per_s, "train_rows_per_s": result.rows_per_s,
               "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6,
-              "meta": asdict(read_meta(out))}
+              "meta": asdict(read_meta(out)) if aux_ids is None else
+              {**json.loads((out / "config.json").read_text()), "steps": result.steps}}
     if ev.engine_prompts or ev.speedup_prompts:
         report.update(engine_report(policy, encode, result.heads, ev, cfg.train.temperature))
+    if compare:
+        report["compare"] = {spec: score(drafter) for spec, drafter in compare.items()}
     report["seconds_total"] = time.perf_counter() - t0
     atomic_write(out.with_suffix(".run.json"), json.dumps(report, indent=2, default=str) + "\n")
     if resolved:
         atomic_write(out.with_suffix(".config.yaml"), resolved)
     if report["final"]:
         print("held-out:\n" + format_acceptance(report["final"]["heldout"]))
-    print(f"heads: {out}\nreport: {out.with_suffix('.run.json')}")
+    for spec, res in report.get("compare", {}).items():
+        print(f"held-out, {spec} (same sequences):\n" + format_acceptance(res["heldout"]))
+    print(f"{'drafter' if aux_ids is not None else 'heads'}: {out}\nreport: {out.with_suffix('.run.json')}")
     return report
 
 

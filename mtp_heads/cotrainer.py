@@ -5,6 +5,11 @@ sits on the rollout path: rollouts are fed to it fire-and-forget, it decides per
 whether to refresh (mtp_heads.refresh), trains the heads against its own copy of the current
 policy by teacher forcing the recent rollouts, checkpoints atomically and hands the new
 heads back to the facade, which publishes them to the workers.
+
+The drafter may also be an EAGLE-3 drafter (mtp_heads.eagle3): its flat weights are told apart by
+their names (`fc.weight`), the aux states it reads are recomputed from the replayed tokens in the
+same policy forward that gives the teacher's states (mtp_heads.distill.batch_from_replay), its loss
+is mtp_heads.eagle3_train's and its checkpoint is an EAGLE-3 directory (EAGLE3_NAME).
 """
 from __future__ import annotations
 
@@ -23,7 +28,10 @@ import torch
 from mtp_heads.checkpoint import HeadMeta, load_heads, save_heads
 from mtp_heads.distill import OBJECTIVES, DistillBatch, DraftVocabMap, batch_from_replay, default_unroll_steps, \
     distill_loss
-from mtp_heads.heads import heads_from_flat
+from mtp_heads.eagle3 import Eagle3Drafter, check_aux_layer_ids, default_aux_layer_ids, layer_config_for
+from mtp_heads.eagle3_checkpoint import WEIGHTS_FILE, load_eagle3, save_eagle3
+from mtp_heads.eagle3_train import drafter_vocab, eagle3_loss
+from mtp_heads.heads import MTPHeads, heads_from_flat
 from mtp_heads.refresh import REFRESH_POLICIES, StepObservation, build_refresh_policy
 from rollout.models.config import ModelConfig
 from rollout.models.dtypes import parse_dtype
@@ -33,6 +41,7 @@ logger = logging.getLogger(__name__)
 
 HEADS_NAME = "heads_latest.safetensors"   # mtp_heads.checkpoint format: usable as heads_path
 STATE_NAME = "cotrainer_state.pt"          # optimizer, refresh-policy state, history
+EAGLE3_NAME = "eagle3_latest"              # an EAGLE-3 drafter's checkpoint directory (vLLM's layout)
 
 
 @dataclass(frozen=True)
@@ -98,6 +107,24 @@ class CoTrainerConfig:
             raise ValueError(f"cotrainer.feature_weight must be >= 0, got {self.feature_weight}")
 
 
+def drafter_from_flat(policy_config: ModelConfig, num_depths: int, flat: FlatWeights,
+                      aux_layer_ids: tuple[int, ...] | None = None, device: str = "cpu") -> MTPHeads | Eagle3Drafter:
+    """MTPHeads, or an EAGLE-3 drafter when the weights are one (`fc.weight`), in float32. An EAGLE-3
+    drafter's aux layers are not in its weights: `aux_layer_ids`, else vLLM's default for the policy."""
+    state = unpack(flat)
+    if "fc.weight" not in state:
+        return heads_from_flat(policy_config, num_depths, flat, "float32", device)
+    L, d = policy_config.num_hidden_layers, policy_config.hidden_size
+    ids = check_aux_layer_ids(aux_layer_ids or default_aux_layer_ids(L), L)
+    if state["fc.weight"].shape != (d, len(ids) * d):
+        raise ValueError(f"EAGLE-3 weights: fc.weight {tuple(state['fc.weight'].shape)} does not read the "
+                         f"{len(ids)} aux layers {list(ids)} of a d={d} policy; pass aux_layer_ids")
+    drafter = Eagle3Drafter(layer_config_for(policy_config), ids, state["lm_head.weight"].shape[0],
+                            own_embedding="embed_tokens.weight" in state)
+    drafter.load_state_dict(state)
+    return drafter.to(device=device, dtype=torch.float32)
+
+
 @dataclass
 class RefreshResult:
     """What one observe() call did; `weights` is set only when the heads changed."""
@@ -119,16 +146,21 @@ class HeadCoTrainer:
 
     def __init__(self, config: CoTrainerConfig, policy_config: ModelConfig, policy_weights: FlatWeights,
                  policy_version: int, head_weights: FlatWeights, num_depths: int, head_version: int = 0, *,
-                 seed: int = 0, num_threads: int | None = None, device: str = "cpu"):
+                 seed: int = 0, num_threads: int | None = None, device: str = "cpu",
+                 aux_layer_ids: tuple[int, ...] | None = None):
         if num_threads is not None:
             torch.set_num_threads(num_threads)   # match the actor's CPU share (oversubscribed is slower)
         self.config = config
         self.device = device
         self.policy = policy_from_flat(policy_config, policy_weights, config.policy_dtype, device)
         self.policy_version = policy_version
-        self.heads = heads_from_flat(policy_config, num_depths, head_weights, "float32", device).train()
+        self.heads = drafter_from_flat(policy_config, num_depths, head_weights, aux_layer_ids, device).train()
+        self.is_eagle3 = isinstance(self.heads, Eagle3Drafter)
+        if self.is_eagle3 and config.feature_weight:
+            raise ValueError(f"cotrainer.feature_weight={config.feature_weight}: an EAGLE-3 drafter has no feature "
+                             "target; use 0")
         # the same draft steps (training-time test) and draft vocabulary as pre-training: mtp_heads.distill
-        self.unroll_steps = config.unroll_steps or default_unroll_steps(num_depths)
+        self.unroll_steps = config.unroll_steps or default_unroll_steps(1 if self.is_eagle3 else num_depths)
         self.head_version = head_version
         self.optimizer = torch.optim.AdamW(self.heads.parameters(), lr=config.lr, weight_decay=0.0)
         self.refresh_policy = build_refresh_policy(config)
@@ -166,11 +198,29 @@ class HeadCoTrainer:
             logger.warning("co-trainer step %d: refresh wanted (%s) but the replay buffer is empty", obs.step, reason)
             return RefreshResult(False, f"skipped, empty replay buffer: {reason}", self.head_version, obs.step)
         t0 = time.perf_counter()
-        losses = self.train(self.config.steps_per_refresh, budget_s=self.config.refresh_budget_s)
+        held = self._held_out()
+        before = self._held_out_loss(held)
+        kept = {k: v.detach().clone() for k, v in self.heads.state_dict().items()}
+        losses = self.train(self.config.steps_per_refresh, budget_s=self.config.refresh_budget_s,
+                            exclude=len(held))
+        after = self._held_out_loss(held)
+        if after is not None and not after < before:
+            # worse (or no better) on the newest rollouts, which it did not train on: the workers keep
+            # the heads they have; the optimizer keeps its moments, so the next refresh starts warmer
+            self.heads.load_state_dict(kept)
+            self.refresh_policy.on_refresh(obs, self.head_version)
+            why = f"rejected ({reason}): held-out loss {before:.4f} -> {after:.4f}"
+            self.history.append({"step": obs.step, "reason": why, "head_version": self.head_version,
+                                 "policy_version": self.policy_version, "loss_first": losses[0],
+                                 "loss_last": losses[-1], "train_steps": len(losses),
+                                 "train_time_s": time.perf_counter() - t0, "rejected": True})
+            logger.info("co-trainer refresh at step %d %s", obs.step, why)
+            return RefreshResult(False, why, self.head_version, obs.step, losses, time.perf_counter() - t0)
         self.head_version += 1
         self.refresh_policy.on_refresh(obs, self.head_version)
         entry = {"step": obs.step, "reason": reason, "head_version": self.head_version,
                  "policy_version": self.policy_version, "loss_first": losses[0], "loss_last": losses[-1],
+                 "heldout_before": before, "heldout_after": after,
                  "train_steps": len(losses), "train_time_s": time.perf_counter() - t0}
         self.history.append(entry)
         logger.info("co-trainer refresh -> head version %d at step %d: %s (loss %.4f -> %.4f)",
@@ -181,9 +231,30 @@ class HeadCoTrainer:
 
     # -- training ------------------------------------------------------------------------------
 
-    def train(self, num_steps: int, budget_s: float = 0.0) -> list[float]:
-        """Up to num_steps optimiser steps on batches drawn from the replay buffer, stopping early
-        once budget_s seconds are spent (0 = no limit; one step always runs); losses per step."""
+    def _held_out(self) -> list[tuple[np.ndarray, int]]:
+        """The newest rollouts a refresh validates on (a quarter of the replay, up to batch_tokens;
+        none while the replay holds fewer than 4): the policy's latest behaviour, which the heads
+        will draft for next."""
+        held, total = [], 0
+        for seq in reversed(list(self.replay)[-(len(self.replay) // 4):] if len(self.replay) >= 4 else []):
+            held.append(seq)
+            total += len(seq[0])
+            if total >= self.config.batch_tokens:
+                break
+        return held
+
+    @torch.no_grad()
+    def _held_out_loss(self, held: list[tuple[np.ndarray, int]]) -> float | None:
+        if not held:
+            return None
+        batch = batch_from_replay(self.policy, held, self.device,
+                                  self.heads.aux_layer_ids if self.is_eagle3 else None)
+        return float(self.batch_loss(batch))
+
+    def train(self, num_steps: int, budget_s: float = 0.0, exclude: int = 0) -> list[float]:
+        """Up to num_steps optimiser steps on batches drawn from the replay buffer but its newest
+        `exclude` sequences, stopping early once budget_s seconds are spent (0 = no limit; one step
+        always runs); losses per step."""
         if not self.replay:
             raise ValueError("the replay buffer is empty: add_rollouts() before train()")
         losses = []
@@ -191,7 +262,7 @@ class HeadCoTrainer:
         for _ in range(num_steps):
             if losses and time.perf_counter() >= deadline:
                 break
-            loss = self.batch_loss(self._sample_batch())
+            loss = self.batch_loss(self._sample_batch(exclude))
             self.optimizer.zero_grad(set_to_none=True)
             loss.backward()
             self.optimizer.step()
@@ -202,23 +273,27 @@ class HeadCoTrainer:
     def batch_loss(self, batch: DistillBatch) -> torch.Tensor:
         """The co-trainer's loss on a batch: the distillation core with the heads' own draft vocabulary
         (the rows drafting computes) and the same draft steps as pre-training."""
+        if self.is_eagle3:
+            return eagle3_loss(self.heads, self.policy, batch, self.config.loss, drafter_vocab(self.policy, self.heads),
+                               temperature=self.config.temperature, steps=self.unroll_steps).loss
         vocab = DraftVocabMap.for_heads(self.policy, self.heads)
         return distill_loss(self.heads, self.policy, batch, self.config.loss, vocab,
                             temperature=self.config.temperature, steps=self.unroll_steps,
                             feature_weight=self.config.feature_weight).loss
 
-    def _sample_batch(self) -> DistillBatch:
+    def _sample_batch(self, exclude: int = 0) -> DistillBatch:
         """Random replay sequences until batch_tokens is reached (at least one), with the current
-        policy's states (mtp_heads.distill.batch_from_replay)."""
+        policy's states (mtp_heads.distill.batch_from_replay; an EAGLE-3 drafter's aux states too)."""
         picked, total = [], 0
-        order = list(range(len(self.replay)))
+        order = list(range(max(1, len(self.replay) - exclude)))
         self.rng.shuffle(order)
         for i in order:
             picked.append(self.replay[i])
             total += len(picked[-1][0])
             if total >= self.config.batch_tokens:
                 break
-        return batch_from_replay(self.policy, picked, self.device)
+        return batch_from_replay(self.policy, picked, self.device,
+                                 self.heads.aux_layer_ids if self.is_eagle3 else None)
 
     # -- outputs ----------------------------------------------------------------------------
 
@@ -267,13 +342,19 @@ class HeadCoTrainer:
         torch.save({"optimizer": self.optimizer.state_dict(), "head_version": self.head_version,
                     "refresh_state": self.refresh_policy.state(), "history": self.history,
                     "train_steps": self.train_steps}, tmp)
-        save_heads(Path(d) / HEADS_NAME, self.heads, HeadMeta.for_heads(
-            self.heads, loss=self.config.loss, steps=self.train_steps, head_version=self.head_version,
-            notes="head co-trainer refresh"))
+        if self.is_eagle3:      # its version lives in the state only (the layout has no header of ours)
+            save_eagle3(Path(d) / EAGLE3_NAME, self.heads)
+        else:
+            save_heads(Path(d) / HEADS_NAME, self.heads, HeadMeta.for_heads(
+                self.heads, loss=self.config.loss, steps=self.train_steps, head_version=self.head_version,
+                notes="head co-trainer refresh"))
         os.replace(tmp, path)
 
     def _load_checkpoint(self) -> None:
         d = self.config.checkpoint_dir
+        if self.is_eagle3:
+            self._load_eagle3_checkpoint()
+            return
         if not d or not (Path(d) / HEADS_NAME).exists():
             return
         heads_path, state_path = Path(d) / HEADS_NAME, Path(d) / STATE_NAME
@@ -293,3 +374,26 @@ class HeadCoTrainer:
             logger.warning("%s missing or from another head version: resuming the heads only", state_path)
         self.resumed_from = str(heads_path)
         logger.info("co-trainer resumed from %s at head version %d", heads_path, self.head_version)
+
+    def _load_eagle3_checkpoint(self) -> None:
+        """The drafter and, when its state is there, the optimizer and refresh state; the version is the
+        state's (a drafter without a state resumes its weights at this run's head version)."""
+        d = self.config.checkpoint_dir
+        if not d or not (Path(d) / EAGLE3_NAME / WEIGHTS_FILE).exists():
+            return
+        drafter = load_eagle3(Path(d) / EAGLE3_NAME, self.policy)
+        if drafter.aux_layer_ids != self.heads.aux_layer_ids:
+            raise ValueError(f"{Path(d) / EAGLE3_NAME} reads aux layers {list(drafter.aux_layer_ids)}, this run's "
+                             f"drafter {list(self.heads.aux_layer_ids)}; point checkpoint_dir elsewhere")
+        self.heads.load_state_dict(drafter.state_dict())
+        state_path = Path(d) / STATE_NAME
+        if state_path.exists():
+            state = torch.load(state_path, map_location=self.device, weights_only=True)
+            self.optimizer.load_state_dict(state["optimizer"])
+            self.refresh_policy.load_state(state["refresh_state"])
+            self.history = list(state["history"])
+            self.train_steps = int(state["train_steps"])
+            self.head_version = int(state["head_version"])
+        self.resumed_from = str(Path(d) / EAGLE3_NAME)
+        logger.info("co-trainer resumed the EAGLE-3 drafter from %s at head version %d", self.resumed_from,
+                    self.head_version)

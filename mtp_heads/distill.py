@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -53,6 +54,8 @@ class DistillBatch:
     tokens: torch.Tensor      # [B, T] int64, 0 after each sequence's end
     hidden: torch.Tensor      # [B, T, d] policy final-norm states (no grad); hidden[:, t] predicts tokens[:, t+1]
     loss_mask: torch.Tensor   # [B, T] bool, True where tokens[:, t+1] is a trained token (False past the end)
+    aux: torch.Tensor | None = None   # [B, T, n_aux * d] the policy's aux-layer states (EAGLE-3 drafters read
+                                      # them; None = recomputed from the tokens when needed)
 
     def step_mask(self, s: int, width: int) -> torch.Tensor:
         """[B, width] bool: step s at chain start t = 0..width-1 is trained iff loss_mask[t+s]."""
@@ -80,29 +83,56 @@ def completion_mask(length: int, prompt_len: int) -> np.ndarray:
     return m
 
 
-def batch_from_sequences(seqs: Sequence[tuple[np.ndarray, np.ndarray, np.ndarray]], device,
-                         dtype: torch.dtype = torch.float32) -> DistillBatch:
-    """seqs: (tokens [T_i] int, hidden [T_i, d] float/bf16, loss_mask [T_i] bool) per sequence."""
+def _states(x, dtype: torch.dtype) -> torch.Tensor:
+    return x.to(dtype) if isinstance(x, torch.Tensor) else torch.from_numpy(np.ascontiguousarray(x)).to(dtype)
+
+
+def batch_from_sequences(seqs: Sequence[tuple], device, dtype: torch.dtype = torch.float32) -> DistillBatch:
+    """seqs: (tokens [T_i] int, hidden [T_i, d] float/bf16, loss_mask [T_i] bool[, aux [T_i, n_aux * d]])
+    per sequence; aux (all sequences or none) goes into DistillBatch.aux."""
     T = max(len(s[0]) for s in seqs)
     d = seqs[0][1].shape[1]
+    with_aux = len(seqs[0]) > 3 and seqs[0][3] is not None
     tokens = torch.zeros(len(seqs), T, dtype=torch.long)
     hidden = torch.zeros(len(seqs), T, d, dtype=dtype)
     mask = torch.zeros(len(seqs), T, dtype=torch.bool)
-    for b, (tok, hid, m) in enumerate(seqs):
+    aux = torch.zeros(len(seqs), T, seqs[0][3].shape[1], dtype=dtype) if with_aux else None
+    for b, (tok, hid, m, *rest) in enumerate(seqs):
         n = len(tok)
         tokens[b, :n] = torch.as_tensor(np.asarray(tok, dtype=np.int64))
-        hidden[b, :n] = torch.as_tensor(hid).to(dtype) if isinstance(hid, torch.Tensor) else \
-            torch.from_numpy(np.ascontiguousarray(hid)).to(dtype)
+        hidden[b, :n] = _states(hid, dtype)
         mask[b, :n] = torch.as_tensor(np.asarray(m, dtype=bool))
         mask[b, n - 1:] = False                      # the last state predicts nothing in the data
-    return DistillBatch(tokens.to(device), hidden.to(device), mask.to(device))
+        if with_aux:
+            aux[b, :n] = _states(rest[0], dtype)
+    return DistillBatch(tokens.to(device), hidden.to(device), mask.to(device),
+                        None if aux is None else aux.to(device))
 
 
 @torch.no_grad()
-def batch_from_replay(policy: CausalLM, seqs: Sequence[tuple[np.ndarray, int]], device) -> DistillBatch:
+def policy_states(policy: CausalLM, tokens: torch.Tensor,
+                  aux_layer_ids: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    """tokens [B, T] -> (final-norm states [B, T, d], aux states [B, T, n_aux * d]: the residual stream
+    after each listed layer, 0 = the embeddings, in ascending order) from one policy forward."""
+    found: dict[int, torch.Tensor] = {}
+    modules = [(0, policy.model.embed_tokens)] + [(i + 1, m) for i, m in enumerate(policy.model.layers)]
+    hooks = [m.register_forward_hook(lambda _m, _inp, out, i=i: found.__setitem__(i, out))
+             for i, m in modules if i in aux_layer_ids]
+    try:
+        hidden = policy.hidden_states(tokens)
+    finally:
+        for h in hooks:
+            h.remove()
+    return hidden, torch.cat([found[i] for i in sorted(aux_layer_ids)], dim=-1)
+
+
+@torch.no_grad()
+def batch_from_replay(policy: CausalLM, seqs: Sequence[tuple[np.ndarray, int]], device,
+                      aux_layer_ids: tuple[int, ...] | None = None) -> DistillBatch:
     """Replayed rollouts (tokens [T_i] int64 = prompt + completion, prompt length): the policy's
     states come from one teacher-forced forward of the current policy (right padding is harmless:
-    attention is causal)."""
+    attention is causal); with aux_layer_ids the same forward also gives the aux states an EAGLE-3
+    drafter reads."""
     T = max(len(s) for s, _ in seqs)
     tokens = torch.zeros(len(seqs), T, dtype=torch.long)
     mask = torch.zeros(len(seqs), T, dtype=torch.bool)
@@ -110,6 +140,9 @@ def batch_from_replay(policy: CausalLM, seqs: Sequence[tuple[np.ndarray, int]], 
         tokens[b, :len(seq)] = torch.as_tensor(np.asarray(seq, dtype=np.int64))
         mask[b, :len(seq)] = torch.from_numpy(completion_mask(len(seq), prompt_len))
     tokens = tokens.to(device)
+    if aux_layer_ids:
+        hidden, aux = policy_states(policy, tokens, tuple(aux_layer_ids))
+        return DistillBatch(tokens, hidden.float(), mask.to(device), aux.float())
     hidden = policy.hidden_states(tokens).float()
     return DistillBatch(tokens, hidden, mask.to(device))
 
@@ -275,3 +308,22 @@ def distill_loss(heads: MTPHeads, policy: CausalLM, batch: DistillBatch, objecti
     if feature_weight > 0:
         loss = loss + feature_weight * feature_regression(rows)
     return DistillOutput(loss, n)
+
+
+# ----------------------------------------------------------------------------------- drafter kinds
+
+
+@dataclass(frozen=True)
+class DrafterKind:
+    """What pre-training (mtp_heads.pretrain) needs from one kind of drafter (train.drafter): a start, a
+    loss, the draft-vocabulary rows, and a checkpoint whose weights file the optimizer state is tied to.
+    HEADS is in mtp_heads.pretrain, EAGLE3 in mtp_heads.eagle3_train."""
+
+    name: str
+    initial: Callable[..., torch.nn.Module]   # (policy, TrainConfig, data, draft vocab or None) -> drafter
+    loss: Callable[..., object]      # (drafter, policy, batch, cfg, step, vocab) -> DistillOutput
+    vocab: Callable[[CausalLM, torch.nn.Module], DraftVocabMap]
+    save: Callable[..., None]        # (path, drafter, step, cfg, meta_defaults)
+    load: Callable[..., tuple]       # (path, policy) -> (drafter, the step it records or None)
+    weights_file: Callable[[Path], Path]
+    exists: Callable[[Path], bool]

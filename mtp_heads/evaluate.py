@@ -13,6 +13,10 @@ temperature and every head evaluated on the set reuses it (the old per-head eval
 the full distribution: ~70 s per head on 109k rows). Reported per step: the conditional
 acceptance (the mean over trained chains), and over chains trained at every step the expected
 acceptance length tau = 1 + sum_j prod_{i<=j} a_i (bonus token included).
+
+EAGLE-3 drafters (mtp_heads.eagle3) are scored the same way on the same batches: their steps come
+from mtp_heads.eagle3_train.unroll_eagle3 (aux states built into the set with `aux_layer_ids`, or
+recomputed per batch), q from their own LM head over their draft vocabulary, p the policy's on it.
 """
 from __future__ import annotations
 
@@ -22,6 +26,8 @@ import torch
 
 from mtp_heads.checkpoint import draft_vocab_of
 from mtp_heads.distill import DistillBatch, batch_from_sequences
+from mtp_heads.eagle3 import Eagle3Drafter, aux_hidden_states
+from mtp_heads.eagle3_train import batch_aux, drafter_vocab, unroll_eagle3
 from mtp_heads.heads import MTPHeads
 from mtp_heads.ttt import unroll
 from rollout.models.decoder import CausalLM
@@ -39,8 +45,10 @@ class EvalSet:
     @classmethod
     @torch.no_grad()
     def build(cls, policy: CausalLM, data, temperatures=(0.7, 1.0), *, max_sequences: int | None = None,
-              max_seq_len: int = 512, batch_tokens: int = 4096, chunk: int = 1024) -> "EvalSet":
-        """The first `max_sequences` sequences of a source (each cut to max_seq_len tokens)."""
+              max_seq_len: int = 512, batch_tokens: int = 4096, chunk: int = 1024,
+              aux_layer_ids: tuple[int, ...] | None = None) -> "EvalSet":
+        """The first `max_sequences` sequences of a source (each cut to max_seq_len tokens); with
+        aux_layer_ids each batch also holds the policy's aux states (for EAGLE-3 drafters)."""
         n = len(data) if max_sequences is None else min(len(data), max_sequences)
         W = policy.lm_head_weight.detach().float()
         batches, lse = [], {float(T): [] for T in temperatures}
@@ -52,6 +60,8 @@ class EvalSet:
             total += hi
             if total >= batch_tokens or i == n - 1:
                 b = batch_from_sequences(group, W.device)
+                if aux_layer_ids:
+                    b.aux = aux_hidden_states(policy, b.tokens, tuple(aux_layer_ids)).float()
                 batches.append(b)
                 flat = b.hidden.reshape(-1, b.hidden.shape[-1])
                 for T in lse:
@@ -62,12 +72,13 @@ class EvalSet:
 
     def to_state(self) -> dict:
         """Tensors in plain lists and dicts only, so that torch.load(weights_only=True) reads it back."""
-        return {"batches": [{"tokens": b.tokens, "hidden": b.hidden, "loss_mask": b.loss_mask} for b in self.batches],
+        return {"batches": [{"tokens": b.tokens, "hidden": b.hidden, "loss_mask": b.loss_mask,
+                             **({} if b.aux is None else {"aux": b.aux})} for b in self.batches],
                 "lse": {float(T): list(v) for T, v in self.lse.items()}}
 
     @classmethod
     def from_state(cls, state: dict) -> "EvalSet":
-        return cls([DistillBatch(b["tokens"], b["hidden"], b["loss_mask"]) for b in state["batches"]],
+        return cls([DistillBatch(b["tokens"], b["hidden"], b["loss_mask"], b.get("aux")) for b in state["batches"]],
                    {float(T): list(v) for T, v in state["lse"].items()})
 
     @property
@@ -79,12 +90,31 @@ class EvalSet:
         return sum(b.num_trained_positions for b in self.batches)
 
 
-@torch.no_grad()
-def teacher_forced_acceptance(policy: CausalLM, heads: MTPHeads, evalset: EvalSet, steps: int = 3) -> dict:
-    """{T: {mode: {"per_position": [a_1..a_k], "tau": float, "rows": [n_1..n_k], "chains": n}}}."""
+def _draft_steps(policy: CausalLM, drafter: MTPHeads | Eagle3Drafter, batch: DistillBatch,
+                 steps: int) -> list[torch.Tensor]:
+    """The drafter's state per draft step for every chain start (mtp_heads.ttt / eagle3_train)."""
+    if isinstance(drafter, Eagle3Drafter):
+        return unroll_eagle3(drafter, policy, batch_aux(policy, drafter, batch).float(), batch.tokens, steps)
+    return unroll(drafter, policy, batch.hidden.float(), batch.tokens, steps)
+
+
+def _vocab_rows(policy: CausalLM, drafter: MTPHeads | Eagle3Drafter) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the policy's LM-head rows of the draft vocabulary [|S|, d], the drafter's rows for q [|S|, d]),
+    both float32 and in the same token order."""
+    if isinstance(drafter, Eagle3Drafter):
+        return drafter_vocab(policy, drafter).weight, drafter.lm_head.weight.detach().float()
     W = policy.lm_head_weight.detach().float()
-    vocab = draft_vocab_of(heads)
+    vocab = draft_vocab_of(drafter)
     W_s = W if vocab is None else W.index_select(0, vocab.to(W.device))
+    return W_s, W_s
+
+
+@torch.no_grad()
+def teacher_forced_acceptance(policy: CausalLM, heads: MTPHeads | Eagle3Drafter, evalset: EvalSet,
+                              steps: int = 3) -> dict:
+    """{T: {mode: {"per_position": [a_1..a_k], "tau": float, "rows": [n_1..n_k], "chains": n}}}
+    for MTP heads or an EAGLE-3 drafter."""
+    W_s, W_q = _vocab_rows(policy, heads)
     was_training = heads.training
     heads.eval()
     sums = {T: {m: torch.zeros(steps, dtype=torch.float64) for m in MODES} for T in evalset.temperatures}
@@ -93,7 +123,7 @@ def teacher_forced_acceptance(policy: CausalLM, heads: MTPHeads, evalset: EvalSe
     chains = 0
     for bi, batch in enumerate(evalset.batches):
         hidden = batch.hidden.float()
-        outs = unroll(heads, policy, hidden, batch.tokens, steps)
+        outs = _draft_steps(policy, heads, batch, steps)
         k = len(outs)
         width = outs[-1].shape[1] if outs else 0
         every = torch.ones(batch.tokens.shape[0], width, dtype=torch.bool, device=hidden.device)
@@ -108,7 +138,7 @@ def teacher_forced_acceptance(policy: CausalLM, heads: MTPHeads, evalset: EvalSe
                 lse = evalset.lse[T][bi][:, s:s + w]                                     # [B, w]
                 target = hidden[:, s:s + w]
                 logp = target @ W_s.t() / T - lse[..., None]                              # [B, w, |S|]
-                q = torch.softmax(out.float() @ W_s.t() / T, -1)
+                q = torch.softmax(out.float() @ W_q.t() / T, -1)
                 p = logp.exp()
                 rej = torch.minimum(p, q).sum(-1)                                         # [B, w]
                 greedy = p.gather(-1, q.argmax(-1, keepdim=True)).squeeze(-1)

@@ -10,6 +10,10 @@ The objective schedule is a list of phases (objective, steps, lr), each continui
 previous phase's weights and AdamW state; the learning rate is phase.lr times one warm-up +
 cosine shape over all steps. Checkpoints (heads + optimizer state) are written atomically every
 `checkpoint_every` steps; resuming continues exactly (same batches, same optimizer state).
+
+The same loop trains an EAGLE-3 drafter (train.drafter=eagle3): a `DrafterKind` says how a kind of
+drafter starts, what its loss is and how it is checkpointed (HEADS here, EAGLE3 in
+mtp_heads.eagle3_train).
 """
 from __future__ import annotations
 
@@ -26,9 +30,11 @@ import torch
 from tqdm.auto import tqdm
 
 from mtp_heads.checkpoint import HeadMeta, draft_vocab_of, load_heads, save_heads, set_draft_vocab
-from mtp_heads.distill import DistillBatch, DraftVocabMap, batch_from_sequences, check_objective, distill_loss
+from mtp_heads.distill import DistillBatch, DrafterKind, DraftVocabMap, batch_from_sequences, check_objective, \
+    distill_loss
+from mtp_heads.eagle3_train import EAGLE3
 from mtp_heads.heads import MTPHeads, grow_layers, init_heads, zero_residual_branches
-from rollout.fileio import atomic_write
+from rollout.fileio import atomic_write, file_sha256
 from rollout.models.decoder import CausalLM
 
 
@@ -53,6 +59,8 @@ class Phase:
 
 
 SHIPPED_INIT = "shipped"   # train.init: the shipped heads of the model (resolved by experiments.pretrain_heads)
+DRAFTERS = ("heads", "eagle3")                 # train.drafter: MTPHeads, or an EAGLE-3 drafter (mtp_heads.eagle3_train)
+EAGLE3_INIT_NAMES = ("last_layer", "random")   # mtp_heads.eagle3_train.EAGLE3_INITS; else an EAGLE-3 directory
 
 
 def _default_phases() -> list[Phase]:
@@ -63,6 +71,10 @@ def _default_phases() -> list[Phase]:
 class TrainConfig:
     """How heads are trained (the `train` section of configs/train_heads.yaml)."""
 
+    drafter: str = "heads"             # what is trained: `heads` (MTPHeads) or `eagle3` (an EAGLE-3 drafter in vLLM's
+                                       # layout, reading the aux layers below)
+    aux_layer_ids: list[int] = field(default_factory=list)   # eagle3: policy layers whose residual stream fc fuses
+                                                             # (0 = embeddings .. L); [] = vLLM's (2, L // 2, L - 3)
     num_depths: int = 1                # distinct head depths; 1 = the recurrent (EAGLE-style) drafter
     num_layers: int = 1                # decoder layers per depth; a 1-layer init checkpoint is grown
                                        # to this with identity-started layers (heads.grow_layers)
@@ -92,11 +104,37 @@ class TrainConfig:
         if self.batch_tokens < 1 or self.max_seq_len < self.unroll_steps + 2:
             raise ValueError(f"need batch_tokens >= 1 and max_seq_len >= unroll_steps + 2, got "
                              f"{self.batch_tokens}, {self.max_seq_len}")
-        if self.init not in HEAD_INITS and self.init != SHIPPED_INIT and not self.init.endswith(".safetensors"):
-            raise ValueError(f"unknown head init {self.init!r}; choose one of {sorted(HEAD_INITS)}, "
-                             f"{SHIPPED_INIT!r} or a .safetensors head checkpoint")
+        if self.drafter not in DRAFTERS:
+            raise ValueError(f"train.drafter={self.drafter!r} is not a drafter kind; choose one of {list(DRAFTERS)}")
+        if self.drafter == "heads":
+            if self.init not in HEAD_INITS and self.init != SHIPPED_INIT and not self.init.endswith(".safetensors"):
+                raise ValueError(f"unknown head init {self.init!r}; choose one of {sorted(HEAD_INITS)}, "
+                                 f"{SHIPPED_INIT!r} or a .safetensors head checkpoint")
+            if self.aux_layer_ids:
+                raise ValueError(f"train.aux_layer_ids={list(self.aux_layer_ids)} is for train.drafter=eagle3; "
+                                 "heads read the final hidden state")
+        else:
+            self._check_eagle3()
         if self.draft_vocab_size < 0:
             raise ValueError(f"draft_vocab_size must be >= 0 (0 = full vocabulary), got {self.draft_vocab_size}")
+
+    def _check_eagle3(self) -> None:
+        """What an EAGLE-3 drafter cannot be: checked before the policy loads (the aux ids' upper bound,
+        which needs the policy's depth, is checked by mtp_heads.eagle3_train.aux_layer_ids_for)."""
+        if self.num_depths != 1 or self.num_layers != 1:
+            raise ValueError(f"train.drafter=eagle3 is one recurrent layer: train.num_depths and train.num_layers "
+                             f"must be 1, got {self.num_depths} and {self.num_layers}")
+        if self.init == SHIPPED_INIT or self.init.endswith(".safetensors"):
+            raise ValueError(f"train.init={self.init!r} is a head checkpoint; an EAGLE-3 drafter starts from one of "
+                             f"{list(EAGLE3_INIT_NAMES)} or an EAGLE-3 directory (config.json + model.safetensors)")
+        ids = list(self.aux_layer_ids)
+        if ids and (len(set(ids)) != len(ids) or ids != sorted(ids) or ids[0] < 0):
+            raise ValueError(f"train.aux_layer_ids={ids}: must be distinct, ascending and >= 0 "
+                             "(0 = embeddings .. L = the last layer)")
+        for i, p in enumerate(self.phases):
+            if p.feature_weight:
+                raise ValueError(f"train.phases[{i}].feature_weight={p.feature_weight}: EAGLE-3 drafters have no "
+                                 "feature target (their state is not the policy's); use 0")
 
     @property
     def total_steps(self) -> int:
@@ -163,7 +201,8 @@ def initial_heads(policy: CausalLM, cfg: TrainConfig, data, draft_vocab: torch.T
 
 def batch_for_step(data, cfg: TrainConfig, step: int, device) -> DistillBatch:
     """Random sequences (a random window of each long one) up to cfg.batch_tokens; depends only on
-    (cfg.seed, step), so a resumed run sees exactly the batches an uninterrupted one would."""
+    (cfg.seed, step), so a resumed run sees exactly the batches an uninterrupted one would. A source
+    whose sequences carry `.aux` (mtp_heads.data.aux_states) fills DistillBatch.aux."""
     g = np.random.default_rng([cfg.seed, step])
     order = g.permutation(len(data))
     seqs, total = [], 0
@@ -174,7 +213,8 @@ def batch_for_step(data, cfg: TrainConfig, step: int, device) -> DistillBatch:
         hi = min(n, lo + cfg.max_seq_len)
         if not np.asarray(s.loss_mask[lo:hi]).any():
             continue
-        seqs.append((s.tokens[lo:hi], s.hidden[lo:hi], s.loss_mask[lo:hi]))
+        aux = getattr(s, "aux", None)               # recorded aux states (EAGLE-3), when the source has them
+        seqs.append((s.tokens[lo:hi], s.hidden[lo:hi], s.loss_mask[lo:hi], None if aux is None else aux[lo:hi]))
         total += hi - lo
         if total >= cfg.batch_tokens:
             break
@@ -203,6 +243,34 @@ def step_loss(heads: MTPHeads, policy: CausalLM, batch: DistillBatch, cfg: Train
                         feature_weight=phase.feature_weight)
 
 
+# ----------------------------------------------------------------------------------- drafter kinds
+
+
+def _save_heads(path, heads: MTPHeads, step: int, cfg: TrainConfig, meta_defaults: dict) -> None:
+    loss = "+".join(f"{p.objective}:{p.steps}" + (f"@k{p.unroll_steps}" if p.unroll_steps else "") for p in cfg.phases)
+    save_heads(path, heads, HeadMeta.for_heads(heads, loss=loss, steps=step, **meta_defaults))
+
+
+def _load_heads(path, policy: CausalLM) -> tuple[MTPHeads, int]:
+    heads, meta = load_heads(path, policy)
+    return heads, meta.steps
+
+
+HEADS = DrafterKind(
+    name="heads", initial=initial_heads, loss=step_loss,
+    vocab=lambda policy, heads: DraftVocabMap.build(policy, draft_vocab_of(heads)),
+    save=_save_heads, load=_load_heads, weights_file=Path, exists=lambda path: Path(path).is_file())
+
+
+DRAFTER_KINDS: dict[str, DrafterKind] = {"heads": HEADS, "eagle3": EAGLE3}
+
+
+def drafter_kind(name: str) -> DrafterKind:
+    if name not in DRAFTER_KINDS:
+        raise ValueError(f"unknown drafter kind {name!r}; choose one of {list(DRAFTERS)}")
+    return DRAFTER_KINDS[name]
+
+
 # ----------------------------------------------------------------------------------- checkpoints
 
 
@@ -210,13 +278,16 @@ def train_state_path(path: str | os.PathLike) -> Path:
     return Path(path).with_suffix(".train.pt")
 
 
-def save_training_checkpoint(path, heads: MTPHeads, opt: torch.optim.Optimizer, step: int, cfg: TrainConfig,
+
+def save_training_checkpoint(path, heads, opt: torch.optim.Optimizer, step: int, cfg: TrainConfig,
                              meta_defaults: dict, history: list[dict]) -> None:
-    """Heads (safetensors + JSON), then the optimizer state, each written atomically; the state
-    names its step, so a crash between the two is detected on resume."""
-    loss = "+".join(f"{p.objective}:{p.steps}" + (f"@k{p.unroll_steps}" if p.unroll_steps else "") for p in cfg.phases)
-    save_heads(path, heads, HeadMeta.for_heads(heads, loss=loss, steps=step, **meta_defaults))
-    state = {"step": step, "optimizer": opt.state_dict(), "config": asdict(cfg), "history": history}
+    """The drafter (heads: safetensors + JSON; eagle3: config.json + model.safetensors), then the
+    optimizer state, each written atomically; the state names its step and the digest of the weights
+    file, so a crash between the two is detected on resume."""
+    kind = drafter_kind(cfg.drafter)
+    kind.save(path, heads, step, cfg, meta_defaults)
+    state = {"step": step, "optimizer": opt.state_dict(), "config": asdict(cfg), "history": history,
+             "weights_sha256": file_sha256(kind.weights_file(Path(path)))}
     buf = io.BytesIO()
     torch.save(state, buf)
     atomic_write(train_state_path(path), buf.getvalue())
@@ -265,18 +336,22 @@ def train_heads(policy: CausalLM, data, cfg: TrainConfig, *, draft_vocab: torch.
     if len(data) == 0:
         raise ValueError("no training sequences")
     device = policy.lm_head_weight.device
+    kind = drafter_kind(cfg.drafter)
     start, history, state = 0, [], None
     if resume:
-        if checkpoint is None or not Path(checkpoint).is_file():
+        if checkpoint is None or not kind.exists(Path(checkpoint)):
             raise ValueError(f"resume needs an existing checkpoint; {checkpoint} does not exist")
-        heads, meta = load_heads(checkpoint, policy)
+        heads, recorded = kind.load(checkpoint, policy)
         state = load_train_state(train_state_path(checkpoint))
-        if state["step"] != meta.steps or state["config"] != asdict(cfg):
+        digest = state.get("weights_sha256")
+        if (recorded is not None and state["step"] != recorded) or state["config"] != asdict(cfg) or \
+                (digest is not None and digest != file_sha256(kind.weights_file(Path(checkpoint)))):
             raise ValueError(f"{train_state_path(checkpoint)} (step {state['step']}) does not belong to "
-                             f"{checkpoint} (step {meta.steps}) or the config differs; restart without resume")
-        start, history = meta.steps, list(state.get("history", []))
+                             f"{checkpoint} (step {recorded if recorded is not None else 'unrecorded'}: other "
+                             "weights) or the config differs; restart without resume")
+        start, history = state["step"], list(state.get("history", []))
     else:
-        heads = initial_heads(policy, cfg, data, draft_vocab)
+        heads = kind.initial(policy, cfg, data, draft_vocab)
     heads = heads.to(device=device, dtype=torch.float32).train()
     for prm in heads.parameters():
         prm.requires_grad_(True)
@@ -284,7 +359,7 @@ def train_heads(policy: CausalLM, data, cfg: TrainConfig, *, draft_vocab: torch.
                             weight_decay=cfg.weight_decay)
     if state is not None:
         opt.load_state_dict(state["optimizer"])
-    vocab = DraftVocabMap.build(policy, draft_vocab_of(heads))
+    vocab = kind.vocab(policy, heads)
     total = cfg.total_steps
     end = total if stop_after is None else min(total, stop_after)
     losses, rows_done, toks_done, t0 = [], 0, 0, time.perf_counter()
@@ -296,7 +371,7 @@ def train_heads(policy: CausalLM, data, cfg: TrainConfig, *, draft_vocab: torch.
     for step in bar:
         phase = cfg.phase_at(step)
         batch = batch_for_step(data, cfg, step, device)
-        out = step_loss(heads, policy, batch, cfg, step, vocab)
+        out = kind.loss(heads, policy, batch, cfg, step, vocab)
         for g in opt.param_groups:
             g["lr"] = lr_at(step, cfg)
         opt.zero_grad(set_to_none=True)

@@ -50,18 +50,19 @@ def _finish(block: DecoderLayer, x: torch.Tensor, attn_out: torch.Tensor) -> tor
     return x + block.mlp(block.post_attention_layernorm(x))
 
 
-def _causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     # q, k, v [B, H, n, hd]: query i sees keys j <= i
     n = q.shape[2]
     mask = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
     return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
 
-def _chain(q: torch.Tensor,                                   # [B, H, n, hd] step s, chain t = 0..n-1
-           base: tuple[torch.Tensor, torch.Tensor],           # depth D's keys/values [B, H, nb, hd], nb >= n
-           chain: list[tuple[torch.Tensor, torch.Tensor]],    # steps D+1..s: [B, H, n_r >= n, hd] each
-           ) -> torch.Tensor:                                 # [B, H, n, hd]
-    """Chain t attends to base keys at positions <= t and to its own keys of the recurrent steps."""
+def chain_attention(q: torch.Tensor,                                   # [B, H, n, hd] step s, chain t = 0..n-1
+                     base: tuple[torch.Tensor, torch.Tensor],           # depth D's keys/values [B, H, nb, hd], nb >= n
+                     chain: list[tuple[torch.Tensor, torch.Tensor]],    # steps D+1..s: [B, H, n_r >= n, hd] each
+                     ) -> torch.Tensor:                                 # [B, H, n, hd]
+    """Chain t attends to base keys at positions <= t and to its own keys of the recurrent steps
+    (EAGLE-3's training-time-test mask; mtp_heads.eagle3_train uses it for EAGLE-3 drafters too)."""
     kb, vb = base
     n, nb = q.shape[2], kb.shape[2]
     scale = 1.0 / math.sqrt(q.shape[-1])
@@ -100,7 +101,7 @@ def unroll(heads: MTPHeads, policy: CausalLM,
         x, base = depth.input(prev[:, :n], policy.model.embed_tokens(tokens[:, s:s + n])), []
         for block in depth.blocks:
             q, k, v = _qkv(block, policy, x, positions)
-            x = _finish(block, x, _causal(q, k, v))
+            x = _finish(block, x, causal_attention(q, k, v))
             base.append((k, v))                       # depth D's keys per block, for the recurrence
         prev = depth.norm(x)
         outs.append(prev)
@@ -115,7 +116,7 @@ def unroll(heads: MTPHeads, policy: CausalLM,
         for block, block_base, chain in zip(depth.blocks, base, chains):
             q, k, v = _qkv(block, policy, x, positions)
             chain.append((k, v))
-            x = _finish(block, x, _chain(q, block_base, chain))
+            x = _finish(block, x, chain_attention(q, block_base, chain))
         prev = depth.norm(x)
         outs.append(prev)
     return outs

@@ -127,6 +127,9 @@ class CoTrainerClient:
             logger.error("head co-trainer raised at step %d: %s", step, e)
             self._on_event("cotrainer_error", {"error": str(e)[:500]})
             return
+        if not result.refreshed and result.reason.startswith("rejected"):
+            self._on_event("head_refresh_rejected", {"reason": result.reason, "refresh_step": result.step,
+                                                     "train_time_s": result.train_time_s})
         if result.refreshed:
             self._publish(result.weights, result.head_version, {
                 "reason": result.reason, "refresh_step": result.step, "loss_first": result.losses[0],

@@ -39,6 +39,16 @@ def tiny_heads(tiny_policy):
     return init_heads(tiny_policy, num_depths=2)
 
 
+def sharpened_tiny_policy(**overrides):
+    """A tiny random policy with its final norm x4: low-entropy next-token distributions, so that a
+    drafter has something to learn beyond the uniform."""
+    from rollout.models.decoder import random_model
+    model = random_model(tiny_config(**overrides), seed=0)
+    with torch.no_grad():
+        model.model.norm.weight.mul_(4.0)
+    return model
+
+
 def random_heads(policy, num_depths: int, seed: int = 0) -> MTPHeads:
     torch.manual_seed(seed)
     return MTPHeads(policy.config, num_depths)

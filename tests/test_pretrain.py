@@ -12,6 +12,7 @@ from mtp_heads.pretrain import HEAD_INITS, Phase, TrainConfig, batch_for_step, l
 from mtp_heads.token_data import TokenData, draft_vocab_from_counts, trained_token_counts
 from rollout.torch_engine import TorchEngine
 from rollout.types import SamplingParams
+from tests.conftest import sharpened_tiny_policy
 
 GEN = GenerateConfig(max_new_tokens=20, gen_batch_size=16)
 
@@ -31,14 +32,7 @@ def _cfg(**kw):
 
 @pytest.fixture(scope="module")
 def policy():
-    """A tiny random policy with a sharpened output (final norm x4): low-entropy next-token
-    distributions, so that there is something to learn beyond the uniform (CE included)."""
-    from rollout.models.decoder import random_model
-    from tests.conftest import tiny_config
-    model = random_model(tiny_config(), seed=0)
-    with torch.no_grad():
-        model.model.norm.weight.mul_(4.0)
-    return model
+    return sharpened_tiny_policy()
 
 
 @pytest.fixture(scope="module")

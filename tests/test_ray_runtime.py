@@ -185,6 +185,30 @@ def test_cotrainer_tv_refresh_lowers_loss_and_checkpoints(models, tmp_path):
     assert meta.head_version == 1 and meta.loss == "tv"
 
 
+def test_a_refresh_that_is_worse_on_the_newest_rollouts_is_not_published(models, tmp_path):
+    """The co-trainer validates each refresh on the newest quarter of its replay, which it does not
+    train on: a learning rate that wrecks the heads (here 3.0) is caught, the heads stay as they were
+    and keep their version; a sound one is published with both losses recorded."""
+    policy, heads = models
+    batch = TorchEngine(policy, heads).generate(PROMPTS, sp(1.0, n=16))
+    rollouts = [(c.prompt, c.tokens) for c in batch.completions] * 2
+    for lr, published in ((3.0, False), (3e-3, True)):
+        cfg = CoTrainerConfig(refresh=("every_n_steps",), every_n_steps=1, steps_per_refresh=4, batch_tokens=64,
+                              lr=lr, checkpoint_dir=str(tmp_path / str(lr)))
+        ct = HeadCoTrainer(cfg, policy.config, pack(policy.state_dict()), 0, pack(heads.state_dict()), 2, 0)
+        ct.add_rollouts(rollouts)
+        ct.observe(StepObservation(0, 1.0, 0.5, 0))
+        res = ct.observe(StepObservation(1, 1.0, 0.5, 0))
+        entry = ct.history[-1]
+        assert res.refreshed is published and len(res.losses) == 4
+        if published:
+            assert res.head_version == 1 and entry["heldout_after"] < entry["heldout_before"]
+        else:
+            assert res.head_version == 0 and res.weights is None and entry["rejected"]
+            assert res.reason.startswith("rejected (every_n_steps") and "held-out loss" in res.reason
+            assert all(torch.equal(ct.heads.state_dict()[k], t) for k, t in heads.state_dict().items())
+
+
 def test_cotrainer_refresh_stops_at_its_time_budget(models, monkeypatch):
     """refresh_budget_s bounds a refresh's wall time (one step at least), so the actor's queue of
     decisions, policy syncs and checkpoint requests keeps moving; without a budget all steps run."""

@@ -7,4 +7,5 @@ teacher-forced through the policy into a sharded, memory-mapped token store.
 - builder.py        resumable, shard-by-shard building of one (source, split) and the rollout hook
 - onpolicy.py       prompts for on-policy samples and turning completions into examples
 - splits.py         the held-out rule (hash of a conversation / prompt key), shared by every source
+- aux_states.py     the aux-layer states an EAGLE-3 drafter reads, recorded once for the sequences a run trains on
 """

@@ -39,7 +39,6 @@ and an interrupted build loses at most the shard it was writing.
 from __future__ import annotations
 
 import fcntl
-import hashlib
 import json
 import os
 import shutil
@@ -53,7 +52,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from rollout.fileio import atomic_write
+from rollout.fileio import atomic_write, file_sha256
 
 FORMAT_VERSION = 1
 SOURCES = ("sharegpt", "onpolicy", "rollout")
@@ -107,13 +106,6 @@ class ShardArrays:
                    keys=[s[4] for s in seqs])
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 24):
-            h.update(chunk)
-    return h.hexdigest()
-
 
 def _fsync_write(path: Path, write) -> None:
     with open(path, "wb") as f:
@@ -143,7 +135,7 @@ def check_shard(root: Path, name: str, entry: dict, full: bool = True) -> str | 
         size = p.stat().st_size
         if size != want["bytes"]:
             return f"{fname} has {size} bytes, expected {want['bytes']} (partial or truncated)"
-        if full and _sha256(p) != want["sha256"]:
+        if full and file_sha256(p) != want["sha256"]:
             return f"{fname} fails its sha256 checksum"
     return None
 
@@ -220,7 +212,7 @@ class StoreWriter:
                 _fsync_write(tmp / f"{field}.npy", lambda f, a=getattr(data, field): np.save(f, a))
             _fsync_write(tmp / "keys.json", lambda f: f.write(json.dumps(data.keys).encode()))
             for p in sorted(tmp.iterdir()):
-                files[p.name] = {"bytes": p.stat().st_size, "sha256": _sha256(p)}
+                files[p.name] = {"bytes": p.stat().st_size, "sha256": file_sha256(p)}
             for p in tmp.iterdir():
                 os.chmod(p, 0o644)
             os.chmod(tmp, 0o755)
