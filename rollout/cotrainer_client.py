@@ -33,9 +33,8 @@ COTRAINER_NICENESS = 10        # added to the co-trainer's niceness: below rollo
 class BackgroundCoTrainer(HeadCoTrainer):
     """The co-trainer in its own actor process, at a lower CPU priority than the processes on the
     rollout path (the workers and the RL trainer). Where it shares cores with them (every CPU run, a
-    GPU node's host threads) it takes mostly the cycles they leave; the steps of a 2-core main job
-    during which the co-trainer trained at their priority ran their rollouts at 60-80 tok/s against
-    100-130. It still gets a share under full load, so refreshes slow down rather than stop."""
+    GPU node's host threads) it takes mostly the cycles they leave, instead of slowing the rollouts
+    while it trains. It still gets a share under full load, so refreshes slow down rather than stop."""
 
     def __init__(self, *args, **kwargs):
         os.nice(COTRAINER_NICENESS)         # relative to the worker's own (0 on a local Ray we start)

@@ -36,9 +36,8 @@ def cost_clock(device: torch.device) -> Callable[[], float]:
     """The clock rounds are priced by. An engine computing on the CPU in one thread: that thread's CPU
     time. In an RL job the trainer and the co-trainer share the machine's cores with the rollout
     worker and take wall time from its rounds at moments of their own, so plain rounds timed now and
-    then and drafting rounds timed between them were priced at different speeds (a main job whose
-    rollouts ran at 0.87x of plain estimated itself at 1.45x); a round's CPU time is what the round
-    itself costs. With several threads (idle ones spin) or on a GPU: wall time."""
+    then and drafting rounds timed between them were priced at different speeds; a round's CPU time
+    is what the round itself costs. With several threads (idle ones spin) or on a GPU: wall time."""
     if device.type == "cpu" and torch.get_num_threads() == 1:
         return time.thread_time
     return time.perf_counter
