@@ -199,11 +199,12 @@ class HeadCoTrainer:
             return RefreshResult(False, f"skipped, empty replay buffer: {reason}", self.head_version, obs.step)
         t0 = time.perf_counter()
         held = self._held_out()
-        before = self._held_out_loss(held)
+        held_batch = self._batch(held) if held else None     # one teacher-forcing forward, scored twice
+        before = self._held_out_loss(held_batch)
         kept = {k: v.detach().clone() for k, v in self.heads.state_dict().items()}
         losses = self.train(self.config.steps_per_refresh, budget_s=self.config.refresh_budget_s,
                             exclude=len(held))
-        after = self._held_out_loss(held)
+        after = self._held_out_loss(held_batch)
         if after is not None and not after < before:
             # worse (or no better) on the newest rollouts, which it did not train on: the workers keep
             # the heads they have; the optimizer keeps its moments, so the next refresh starts warmer
@@ -244,12 +245,12 @@ class HeadCoTrainer:
         return held
 
     @torch.no_grad()
-    def _held_out_loss(self, held: list[tuple[np.ndarray, int]]) -> float | None:
-        if not held:
-            return None
-        batch = batch_from_replay(self.policy, held, self.device,
-                                  self.heads.aux_layer_ids if self.is_eagle3 else None)
-        return float(self.batch_loss(batch))
+    def _held_out_loss(self, batch: DistillBatch | None) -> float | None:
+        return None if batch is None else float(self.batch_loss(batch))
+
+    def _batch(self, seqs: list[tuple[np.ndarray, int]]) -> DistillBatch:
+        """Replayed sequences with the current policy's states (and an EAGLE-3 drafter's aux states)."""
+        return batch_from_replay(self.policy, seqs, self.device, self.heads.aux_layer_ids if self.is_eagle3 else None)
 
     def train(self, num_steps: int, budget_s: float = 0.0, exclude: int = 0) -> list[float]:
         """Up to num_steps optimiser steps on batches drawn from the replay buffer but its newest
@@ -292,8 +293,7 @@ class HeadCoTrainer:
             total += len(picked[-1][0])
             if total >= self.config.batch_tokens:
                 break
-        return batch_from_replay(self.policy, picked, self.device,
-                                 self.heads.aux_layer_ids if self.is_eagle3 else None)
+        return self._batch(picked)
 
     # -- outputs ----------------------------------------------------------------------------
 
@@ -366,14 +366,18 @@ class HeadCoTrainer:
         self.head_version = meta.head_version
         state = torch.load(state_path, map_location=self.device, weights_only=True) if state_path.exists() else None
         if state is not None and state["head_version"] == meta.head_version:
-            self.optimizer.load_state_dict(state["optimizer"])
-            self.refresh_policy.load_state(state["refresh_state"])
-            self.history = list(state["history"])
-            self.train_steps = int(state["train_steps"])
+            self._restore(state)
         else:
             logger.warning("%s missing or from another head version: resuming the heads only", state_path)
         self.resumed_from = str(heads_path)
         logger.info("co-trainer resumed from %s at head version %d", heads_path, self.head_version)
+
+    def _restore(self, state: dict) -> None:
+        """Optimizer, refresh-policy state, history and step count from a STATE_NAME checkpoint."""
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.refresh_policy.load_state(state["refresh_state"])
+        self.history = list(state["history"])
+        self.train_steps = int(state["train_steps"])
 
     def _load_eagle3_checkpoint(self) -> None:
         """The drafter and, when its state is there, the optimizer and refresh state; the version is the
@@ -389,10 +393,7 @@ class HeadCoTrainer:
         state_path = Path(d) / STATE_NAME
         if state_path.exists():
             state = torch.load(state_path, map_location=self.device, weights_only=True)
-            self.optimizer.load_state_dict(state["optimizer"])
-            self.refresh_policy.load_state(state["refresh_state"])
-            self.history = list(state["history"])
-            self.train_steps = int(state["train_steps"])
+            self._restore(state)
             self.head_version = int(state["head_version"])
         self.resumed_from = str(Path(d) / EAGLE3_NAME)
         logger.info("co-trainer resumed the EAGLE-3 drafter from %s at head version %d", self.resumed_from,

@@ -30,6 +30,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from mtp_heads.eagle3 import policy_states
 from mtp_heads.fused_tv import fused_linear_tv_e2e_loss, fused_linear_tv_loss
 from mtp_heads.heads import MTPHeads
 from mtp_heads.losses import IGNORE_INDEX, draft_loss
@@ -107,23 +108,6 @@ def batch_from_sequences(seqs: Sequence[tuple], device, dtype: torch.dtype = tor
             aux[b, :n] = _states(rest[0], dtype)
     return DistillBatch(tokens.to(device), hidden.to(device), mask.to(device),
                         None if aux is None else aux.to(device))
-
-
-@torch.no_grad()
-def policy_states(policy: CausalLM, tokens: torch.Tensor,
-                  aux_layer_ids: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
-    """tokens [B, T] -> (final-norm states [B, T, d], aux states [B, T, n_aux * d]: the residual stream
-    after each listed layer, 0 = the embeddings, in ascending order) from one policy forward."""
-    found: dict[int, torch.Tensor] = {}
-    modules = [(0, policy.model.embed_tokens)] + [(i + 1, m) for i, m in enumerate(policy.model.layers)]
-    hooks = [m.register_forward_hook(lambda _m, _inp, out, i=i: found.__setitem__(i, out))
-             for i, m in modules if i in aux_layer_ids]
-    try:
-        hidden = policy.hidden_states(tokens)
-    finally:
-        for h in hooks:
-            h.remove()
-    return hidden, torch.cat([found[i] for i in sorted(aux_layer_ids)], dim=-1)
 
 
 @torch.no_grad()

@@ -172,9 +172,11 @@ class Eagle3Drafter(nn.Module):
 
 
 @torch.no_grad()
-def aux_hidden_states(policy: CausalLM, tokens: torch.Tensor, layer_ids: tuple[int, ...]) -> torch.Tensor:
-    """tokens [B, T] -> [B, T, len(layer_ids) * d]: the residual stream after each listed layer (0 = the
-    embeddings), concatenated in ascending id order, from one teacher-forced policy forward."""
+def policy_states(policy: CausalLM, tokens: torch.Tensor,
+                  layer_ids: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    """tokens [B, T] -> (final-norm states [B, T, d], aux states [B, T, len(layer_ids) * d]: the residual
+    stream after each listed layer, 0 = the embeddings, concatenated in ascending id order) from one
+    teacher-forced policy forward."""
     found: dict[int, torch.Tensor] = {}
     modules = [(0, policy.model.embed_tokens)] + [(i + 1, m) for i, m in enumerate(policy.model.layers)]
     hooks = []
@@ -183,11 +185,16 @@ def aux_hidden_states(policy: CausalLM, tokens: torch.Tensor, layer_ids: tuple[i
             hooks.append(module.register_forward_hook(
                 lambda _m, _inp, out, layer_id=layer_id: found.__setitem__(layer_id, out)))
     try:
-        policy.hidden_states(tokens)
+        hidden = policy.hidden_states(tokens)
     finally:
         for h in hooks:
             h.remove()
-    return torch.cat([found[i] for i in sorted(layer_ids)], dim=-1)
+    return hidden, torch.cat([found[i] for i in sorted(layer_ids)], dim=-1)
+
+
+def aux_hidden_states(policy: CausalLM, tokens: torch.Tensor, layer_ids: tuple[int, ...]) -> torch.Tensor:
+    """tokens [B, T] -> the aux states of `policy_states`, [B, T, len(layer_ids) * d]."""
+    return policy_states(policy, tokens, layer_ids)[1]
 
 
 @torch.no_grad()
