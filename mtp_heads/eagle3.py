@@ -22,6 +22,8 @@ residual after each listed layer).
 """
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import replace
 
 import torch
@@ -172,23 +174,28 @@ class Eagle3Drafter(nn.Module):
 
 
 @torch.no_grad()
+@contextmanager
+def layer_outputs(policy: CausalLM, layer_ids: tuple[int, ...]) -> Iterator[dict[int, torch.Tensor]]:
+    """Within the block, each forward of `policy` leaves in the yielded dict the residual stream after
+    each listed layer (0 = the embeddings) by layer id, [B, T, d]; no hooks are set for no ids."""
+    found: dict[int, torch.Tensor] = {}
+    modules = [(0, policy.model.embed_tokens)] + [(i + 1, m) for i, m in enumerate(policy.model.layers)]
+    hooks = [module.register_forward_hook(lambda _m, _inp, out, layer_id=layer_id: found.__setitem__(layer_id, out))
+             for layer_id, module in modules if layer_id in layer_ids]
+    try:
+        yield found
+    finally:
+        for h in hooks:
+            h.remove()
+
+
 def policy_states(policy: CausalLM, tokens: torch.Tensor,
                   layer_ids: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
     """tokens [B, T] -> (final-norm states [B, T, d], aux states [B, T, len(layer_ids) * d]: the residual
     stream after each listed layer, 0 = the embeddings, concatenated in ascending id order) from one
     teacher-forced policy forward."""
-    found: dict[int, torch.Tensor] = {}
-    modules = [(0, policy.model.embed_tokens)] + [(i + 1, m) for i, m in enumerate(policy.model.layers)]
-    hooks = []
-    for layer_id, module in modules:
-        if layer_id in layer_ids:
-            hooks.append(module.register_forward_hook(
-                lambda _m, _inp, out, layer_id=layer_id: found.__setitem__(layer_id, out)))
-    try:
+    with layer_outputs(policy, layer_ids) as found:
         hidden = policy.hidden_states(tokens)
-    finally:
-        for h in hooks:
-            h.remove()
     return hidden, torch.cat([found[i] for i in sorted(layer_ids)], dim=-1)
 
 

@@ -21,6 +21,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
+from mtp_heads.eagle3 import layer_outputs
 from mtp_heads.heads import MTPHeads
 from rollout.engine.chooser import DraftChooser, RowView
 from rollout.engine.history import RolloutHistory
@@ -234,7 +235,8 @@ class TorchEngine:
         cache = self._target_cache(B, L)
         set_read_len(cache, L)              # a reused cache keeps its last call's window; rounds narrow it
         hidden = torch.zeros(B, L, d, dtype=dtype, device=dev)
-        hidden[:, :P] = self._prompt_states(seq[:, :P], cache)
+        aux_layers = getattr(heads, "aux_layer_ids", ())      # an EAGLE-3 drafter reads these layers' states
+        hidden[:, :P], prompt_aux = self._prompt_states(seq[:, :P], cache, aux_layers)
         st = DecodeState(seq=seq, committed=lengths.clone(), prompt_len=lengths, hidden=hidden,
                          logprob=torch.zeros(B, L, device=dev), token_entropy=torch.zeros(B, L, device=dev),
                          token_max_prob=torch.zeros(B, L, device=dev),
@@ -251,23 +253,32 @@ class TorchEngine:
             st.heads = self._head_caches(B, L)
             st.head_len = [torch.zeros(B, dtype=torch.long, device=dev) for _ in st.heads]
             st.head_hidden = [torch.zeros_like(hidden) for _ in st.heads]
-            fill_head_caches(self.heads, self.policy, st)
+            fill_head_caches(self.heads, self.policy, st, prompt_aux)
         results = Results(B0, L, d, sp.return_hidden_states, dtype, dev)
         return ctx, st, results
 
-    def _prompt_states(self, tokens: torch.Tensor, cache: Cache) -> torch.Tensor:
-        """Policy states [B, P, d] of the (padded) prompts tokens [B, P], written into `cache`, each distinct
-        row computed once: GRPO sends every prompt group_size times (4 in the main job, where prefill
-        was a third of a rollout call). Identical token rows give identical states and cache entries."""
+    def _prompt_states(self, tokens: torch.Tensor, cache: Cache,
+                       aux_layers: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Policy states [B, P, d] of the (padded) prompts tokens [B, P], written into `cache`, and with
+        aux_layers the residual stream after those layers [B, P, n d] (else None), each distinct row
+        computed once: GRPO sends every prompt group_size times (4 in the main job, where prefill was a
+        third of a rollout call). Identical token rows give identical states and cache entries."""
         B, P = tokens.shape
         distinct, source = torch.unique(tokens, dim=0, return_inverse=True)      # [U, P], [B]
-        if distinct.shape[0] == B:
-            return self.policy.hidden_states(tokens, cache, torch.zeros(B, dtype=torch.long, device=tokens.device))
-        once = cache.like(distinct.shape[0], P)
-        hidden = self.policy.hidden_states(distinct, once, torch.zeros(distinct.shape[0], dtype=torch.long,
-                                                                       device=tokens.device))
-        cache.copy_rows_from(once, source, P)
-        return hidden[source]
+        with layer_outputs(self.policy, aux_layers) as found:
+            if distinct.shape[0] == B:
+                source = None
+                hidden = self.policy.hidden_states(tokens, cache, torch.zeros(B, dtype=torch.long,
+                                                                              device=tokens.device))
+            else:
+                once = cache.like(distinct.shape[0], P)
+                hidden = self.policy.hidden_states(distinct, once, torch.zeros(distinct.shape[0], dtype=torch.long,
+                                                                               device=tokens.device))
+                cache.copy_rows_from(once, source, P)
+        aux = torch.cat([found[i] for i in aux_layers], dim=-1) if aux_layers else None
+        if source is None:
+            return hidden, aux
+        return hidden[source], None if aux is None else aux[source]
 
     def _compact(self, st: DecodeState, results: Results, n_active: int, ctx: RoundContext) -> DecodeState:
         """Move the unfinished rows into the smallest bucket that holds them (a few times per call)."""

@@ -9,7 +9,6 @@ from dataclasses import replace
 import pytest
 import torch
 
-import mtp_heads.eagle3_drafter as eagle3_drafter_module
 import rollout.engine.round as round_module
 from experiments import cli
 from mtp_heads.eagle3 import draft_greedy, init_eagle3
@@ -38,12 +37,16 @@ def eagle(request):
     return policy, drafter, Eagle3Heads(drafter)
 
 
-def no_second_prompt_forward(monkeypatch):
-    """The prompts' aux states must come from the prefill's own forward: the fallback that runs the
-    policy over them again fails the test."""
-    def fail(*args, **kwargs):
-        raise AssertionError("the prompts were run through the policy a second time for their aux states")
-    monkeypatch.setattr(eagle3_drafter_module, "aux_hidden_states", fail)
+def policy_forwards(monkeypatch, policy) -> list[tuple[int, ...]]:
+    """The shapes of the policy's own forwards from here on: the prompts' aux states must come from the
+    prefill's forward, one per generate call, not from running the policy over the prompts again."""
+    calls, real = [], policy.hidden_states
+
+    def counted(tokens, *args, **kwargs):
+        calls.append(tuple(tokens.shape))
+        return real(tokens, *args, **kwargs)
+    monkeypatch.setattr(policy, "hidden_states", counted)
+    return calls
 
 
 def _stopping_requests(policy, prompts):
@@ -64,11 +67,12 @@ def test_temperature_zero_output_equals_plain_decoding(eagle, lengths, mode, mon
         eager_chooser(monkeypatch)            # the real chooser drafting whatever it has; odd rows take history
     prompts = _prompts() + _prompts()[:2]    # repeated prompts: siblings to copy from (and a deduplicated prefill)
     base, plain = _stopping_requests(policy, prompts)
-    no_second_prompt_forward(monkeypatch)
+    forwards = policy_forwards(monkeypatch, policy)
     assert len({len(c.tokens) for c in plain.completions}) > 1
     engine = TorchEngine(policy, heads, config=EngineConfig(draft_lengths=lengths))
     sp = replace(base, num_draft_tokens=K, draft_mode=mode)
     outs = [engine.generate(prompts, sp) for _ in range(2)]
+    assert len(forwards) == 2, forwards                  # the prefills, nothing more
     for out in outs:
         assert [c.tokens for c in out.completions] == [c.tokens for c in plain.completions]
     comps = [c for out in outs for c in out.completions]
@@ -104,9 +108,10 @@ def test_every_engine_draft_equals_the_reference_drafting_function(eagle, length
     monkeypatch.setattr(round_module, "draft", recording_draft)
     prompts = _prompts()                     # distinct prompts of different lengths: one prefill forward
     base, plain = _stopping_requests(policy, prompts)
-    no_second_prompt_forward(monkeypatch)
+    forwards = policy_forwards(monkeypatch, policy)
     engine = TorchEngine(policy, heads, config=EngineConfig(draft_lengths=lengths))
     out = engine.generate(prompts, replace(base, num_draft_tokens=K, draft_mode="greedy"))
+    assert len(forwards) == 1, forwards                  # the prefill, nothing more
     assert [c.tokens for c in out.completions] == [c.tokens for c in plain.completions]
     assert len(records) >= 2 * len(prompts)
     assert lengths == "chosen" or {len(d) for _, d in records} == {K}   # the chooser picks the head steps

@@ -53,13 +53,7 @@ class Forwards:
             self._depth = torch.compile(_depth_body, dynamic=False, mode=mode)
 
     def set_heads(self, heads: MTPHeads | None) -> None:
-        """The engine's drafter; one that reads the policy's intermediate layers (`aux_layer_ids`, EAGLE-3)
-        is attached to the policy, so that it sees the prefill's states too."""
-        if self.heads is not None and self.heads is not heads and hasattr(self.heads, "release"):
-            self.heads.release()
         self.heads = heads
-        if getattr(heads, "aux_layer_ids", ()):
-            heads.attach(self.policy)
 
     # ------------------------------------------------------------------ calls
     def target(self, tokens: torch.Tensor, start: torch.Tensor, cache: Cache,
@@ -141,9 +135,8 @@ def _cache_of(k: list[torch.Tensor], v: list[torch.Tensor]) -> KVCache:
 
 
 def _layer_body(layer: DecoderLayer, x, cos, sin, positions, k_cache, v_cache) -> torch.Tensor:
-    # x [B, T, d]; cos, sin [B, 1, T, hd]; positions [B, T]; k_cache, v_cache [B, L, H_kv, hd]. `forward`, not
-    # the module call: forward hooks on the policy's layers (an EAGLE-3 drafter's prefill tap) stay out of graphs
-    return layer.forward(x, (cos, sin), positions, _cache_of([k_cache], [v_cache]), 0)
+    # x [B, T, d]; cos, sin [B, 1, T, hd]; positions [B, T]; k_cache, v_cache [B, L, H_kv, hd]
+    return layer(x, (cos, sin), positions, _cache_of([k_cache], [v_cache]), 0)
 
 
 def _depth_body(depth: MTPDepth, prev, embeds, cos, sin, positions, k_caches, v_caches) -> torch.Tensor:

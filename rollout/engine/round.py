@@ -281,20 +281,19 @@ def update_head_cache(ctx: RoundContext, st: DecodeState, j: int, prev_buffer: t
     st.head_lag[j - 1] = 0
 
 
-def fill_head_caches(heads: MTPHeads, policy: CausalLM, st: DecodeState) -> None:
+def fill_head_caches(heads: MTPHeads, policy: CausalLM, st: DecodeState,
+                     prompt_aux: torch.Tensor | None = None) -> None:
     """After prefill: depth j's cache over the committed tokens, positions 0 .. c-1-j (eager,
     once per call); leaves head_len = c-j and a lag bound of j-1 for the first round.
 
     A drafter that reads the policy's intermediate layers (`aux_layer_ids`: EAGLE-3) gets its own
-    states buffer, filled here over the prompts from the prefill's states and by every verification
-    after (run_round); other drafters read the policy's final states, `hidden`."""
+    states buffer, filled here over the prompts from the prefill's aux states (prompt_aux [B, P, n d])
+    and by every verification after (run_round); other drafters read the policy's final states, `hidden`."""
     c = st.committed
     rows = torch.arange(st.batch, device=c.device)[:, None]
     if getattr(heads, "aux_layer_ids", ()):
-        P = int(st.prompt_len.max())
-        prompts = torch.where(torch.arange(P, device=c.device) < st.prompt_len[:, None], st.seq[:, :P], 0)
         st.draft_states = torch.zeros_like(st.hidden)
-        st.draft_states[:, :P] = heads.prompt_draft_states(policy, prompts)   # as the prefill ran them
+        st.draft_states[:, :prompt_aux.shape[1]] = heads.draft_states(prompt_aux)
     prev_buffer = st.drafter_input
     for j in range(1, heads.num_depths + 1):
         width = int((c - j).clamp_min(1).max())
