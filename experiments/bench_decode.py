@@ -28,7 +28,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from experiments.common import machine
+from experiments.common import check_device, machine
 from rollout.config_loader import config_help, load_config, packaged_config, wants_help
 from rollout.engine.config import EngineConfig
 from rollout.engine.round import PHASES
@@ -67,12 +67,14 @@ class BenchDecodeConfig:
     dtype: str = "auto"                    # float32 | bfloat16 | auto (hardware's best)
     compile: bool = False                  # torch.compile the forwards (CPUs: eager is faster)
     threads: int = 1                       # torch threads
+    device: str = "cpu"                    # cpu | cuda | cuda:N: where the policy, heads and caches live
     json: str = ""                         # write all rows here
     log: str = ""                          # append a markdown table to this file (experiments/LOG.md)
 
     def __post_init__(self) -> None:
         from mtp_heads.shipped import check_heads_spec
         check_heads_spec("heads", self.heads)
+        check_device("device", self.device)
         if not 1 <= self.num_draft_tokens:
             raise ValueError(f"num_draft_tokens must be >= 1, got {self.num_draft_tokens}")
         unknown = [s for s in self.settings if s not in SETTINGS]
@@ -236,10 +238,10 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(cfg.threads)
     from mtp_heads.shipped import resolve_heads
     from rollout.models.loaders import apply_chat_template, load_policy
-    policy, loaded = load_policy(cfg.model, cfg.dtype)
+    policy, loaded = load_policy(cfg.model, cfg.dtype, cfg.device)
     heads, heads_desc = resolve_heads(policy, cfg.heads, model=cfg.model, num_depths=cfg.num_depths)
     batches = workload(cfg, lambda text: apply_chat_template(loaded, [{"role": "user", "content": text}]))
-    label = f"{dtype_name(cfg.dtype)}{' compiled' if cfg.compile else ''}"
+    label = f"{dtype_name(cfg.dtype, cfg.device)}{' compiled' if cfg.compile else ''}"
     print(f"{cfg.model} {label}  heads: {heads_desc}  k <= {cfg.num_draft_tokens}  machine: {machine()}", flush=True)
     rows = bench(policy, heads, cfg, batches, label)
     print(f"machine at the end: {machine()}")

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from experiments.common import check_device
 from mtp_heads.data.builder import Example, build_shards
 from mtp_heads.data.onpolicy import mix_prompts, onpolicy_examples, sharegpt_prompts, task_prompts
 from mtp_heads.data.sharegpt import ChatEncoder, load_conversations, split_conversations
@@ -67,6 +68,7 @@ class HeadDataConfig:
     compute_dtype: str = "float32"    # policy forward dtype; states are stored as bf16 either way
     out_dir: str = ""                 # store root; "" = $MTP_ROLLOUT_CACHE/head_data/<model>-len<max_len>
     threads: int = 1                  # torch threads (2 ran 4x slower than 1 on the busy shared cores)
+    device: str = "cpu"               # cpu | cuda | cuda:N: where the teacher-forcing forwards run
     max_len: int = 512                # tokens per sequence (longer conversations are cut)
     max_batch_tokens: int = 4096      # padded tokens per teacher-forcing forward
     heldout_fraction: float = 0.02    # share of conversation / prompt keys held out (by hash)
@@ -82,6 +84,7 @@ class HeadDataConfig:
             raise ValueError(f"mode must be build or bench_engines, got {self.mode!r}")
         if set(self.stages) - {"sharegpt", "onpolicy"}:
             raise ValueError(f"stages must be a subset of [sharegpt, onpolicy], got {list(self.stages)}")
+        check_device("device", self.device)
         if self.onpolicy.engine not in ("torch", "vllm"):
             raise ValueError(f"onpolicy.engine must be torch or vllm, got {self.onpolicy.engine!r}")
 
@@ -174,8 +177,8 @@ def bench_engines(cfg: HeadDataConfig, num_prompts: int = 16) -> None:
 def build(cfg: HeadDataConfig) -> None:
     torch.set_num_threads(cfg.threads)
     root = store_root(cfg)
-    log(f"store {root}; {cfg.threads} torch threads; load {os.getloadavg()[0]:.1f}")
-    policy, loaded = load_policy(cfg.model, cfg.compute_dtype)
+    log(f"store {root}; {cfg.threads} torch threads on {cfg.device}; load {os.getloadavg()[0]:.1f}")
+    policy, loaded = load_policy(cfg.model, cfg.compute_dtype, cfg.device)
     writer = StoreWriter(root, store_meta(cfg, policy, loaded))
     encoder = ChatEncoder(loaded)
     convs = split_conversations(load_conversations(), cfg.heldout_fraction, cfg.seed)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import math
 import platform
+import re
 import shutil
 from pathlib import Path
 
@@ -30,13 +31,26 @@ def cpu_name() -> str:
 
 
 def machine() -> str:
-    """CPU, threads, torch version and load: the line a benchmark's log entry starts with."""
+    """CPU, threads, torch version, load and the GPU when one is in use: the line a benchmark's log
+    entry starts with."""
     cpu = cpu_name()
     try:
         load = open("/proc/loadavg").read().split()[:3]
     except OSError:
         load = ["?"]
-    return f"{cpu}, {torch.get_num_threads()} torch threads, torch {torch.__version__}, load average {' '.join(load)}"
+    gpu = f", GPU {torch.cuda.get_device_name()}" if torch.cuda.is_available() and torch.cuda.is_initialized() else ""
+    return (f"{cpu}, {torch.get_num_threads()} torch threads, torch {torch.__version__}, load average "
+            f"{' '.join(load)}{gpu}")
+
+
+def check_device(key: str, value: str) -> None:
+    """A config's `device` names a device this machine has: cpu, cuda or cuda:N (ValueError naming the key)."""
+    if not re.fullmatch(r"cpu|cuda(:\d+)?", value):
+        raise ValueError(f"{key} must be cpu, cuda or cuda:N, got {value!r}")
+    if value.startswith("cuda"):
+        index = int(value.partition(":")[2] or 0)
+        if not torch.cuda.is_available() or index >= torch.cuda.device_count():
+            raise ValueError(f"{key}={value!r}: this machine has {torch.cuda.device_count()} CUDA devices")
 
 
 def batch_of(prompts_ids: list[list[int]], batch_size: int, offset: int) -> list[list[int]]:

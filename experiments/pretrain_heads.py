@@ -29,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+from experiments.common import check_device
 from experiments.heads_data import GenerateConfig
 from mtp_heads.checkpoint import read_meta
 from mtp_heads.evaluate import EvalSet, format_acceptance, teacher_forced_acceptance
@@ -103,10 +104,14 @@ class TrainHeadsConfig:
                                         # "" = $MTP_ROLLOUT_CACHE/heads/<model>/, where heads=shipped finds them
     resume: bool = False                # continue from out_dir's checkpoint (same config) instead of starting over
     threads: int = 0                    # torch threads (0 = leave as is)
+    device: str = "cpu"                 # cpu | cuda | cuda:N: where the policy and the drafter train
     progress: bool = True               # a tqdm bar
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+
+    def __post_init__(self) -> None:
+        check_device("device", self.device)
 
 
 def load_train_heads_config(argv: list[str]) -> tuple[TrainHeadsConfig, str]:
@@ -275,7 +280,7 @@ def run(cfg: TrainHeadsConfig, resolved: str = "", policy=None, loaded=None) -> 
             policy, encode = rl.model, rl.codec.encode_prompt
         else:
             from rollout.models.loaders import load_policy
-            policy, loaded = load_policy(cfg.model, "float32")
+            policy, loaded = load_policy(cfg.model, "float32", cfg.device)
     if encode is None:
         from trainers.codec import ChatCodec
 

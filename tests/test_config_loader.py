@@ -209,3 +209,22 @@ def test_one_vocabulary_across_commands():
         assert field.default == "shipped", cls.__name__
         with pytest.raises(ValueError, match="heads=pretrained is no longer accepted: write heads=shipped"):
             load_config(cls, ["heads=pretrained"])
+
+
+@pytest.mark.parametrize("command", ["bench-decode", "train-heads"])
+@pytest.mark.parametrize("device,says", [("tpu", "device must be cpu, cuda or cuda:N, got 'tpu'"),
+                                         ("cuda:7", "device='cuda:7': this machine has 0 CUDA devices")])
+def test_a_device_the_machine_lacks_is_refused_before_work(command, device, says, monkeypatch, capsys):
+    """bench-decode, train-heads and the head-data builder run on a GPU where one is asked for; a device the
+    machine does not have is one line naming the key, exit 2, before the model is loaded."""
+    import torch
+
+    from experiments import cli
+    from experiments.build_head_data import HeadDataConfig
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    assert cli.main([command, f"device={device}"]) == 2
+    err = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("mtp-rollout")]
+    assert len(err) == 1 and says in err[0], err
+    with pytest.raises(ValueError, match="device"):
+        HeadDataConfig(device=device)

@@ -91,7 +91,7 @@ def grouped_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
     B, H, T, hd = q.shape
     H_kv = keys.shape[1]
     out = F.scaled_dot_product_attention(q.reshape(B, H_kv, H // H_kv * T, hd), keys, values, attn_mask=mask)
-    return out.view(B, H, T, hd).transpose(1, 2)
+    return out.reshape(B, H, T, hd).transpose(1, 2)
 
 
 class KVCache:
