@@ -25,11 +25,11 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
-from mtp_heads.heads import MTPHeads, heads_from_flat
+from mtp_heads.eagle3_drafter import Eagle3Heads
+from mtp_heads.heads import MTPHeads
 from mtp_heads.shipped import resolve_heads
-from rollout.accelerator import RolloutAccelerator
+from rollout.accelerator import RolloutAccelerator, is_eagle3_dir
 from rollout.config_loader import config_help, packaged_config, wants_help, write_resolved
-from rollout.models.flat_weights import pack
 from rollout.monitor.records import json_safe
 from rollout.models.loaders import DEFAULT_MODEL
 from rollout.ray_guard import local_ray
@@ -52,9 +52,9 @@ class CoTrainerLost(RuntimeError):
     """The head co-trainer died for good during the run (and cotrainer_required is true)."""
 
 
-def make_heads(policy: Policy, cfg: RunConfig) -> MTPHeads:
-    """The run's starting heads from `heads` (shipped, init or a checkpoint path); heads made for
-    another model are refused naming the key."""
+def make_heads(policy: Policy, cfg: RunConfig) -> MTPHeads | Eagle3Heads:
+    """The run's starting heads from `heads` (shipped, init, a checkpoint path or an EAGLE-3 drafter
+    directory); heads made for another model are refused naming the key, the file and the mismatch."""
     acc = cfg.accelerator
     try:
         heads, desc = resolve_heads(policy.model, cfg.heads, model=acc.model, num_depths=acc.num_depths,
@@ -120,6 +120,16 @@ def _fmt(x) -> str:
 def check_config(cfg: RunConfig) -> None:
     """Every check that needs no model: run before the lock, any file or Ray. Errors name the key."""
     check_finite_config(cfg)
+    if is_eagle3_dir(cfg.heads, cfg.accelerator.model):  # an EAGLE-3 drafter: a readable config, one layer
+        from mtp_heads.eagle3_checkpoint import read_config
+        from mtp_heads.shipped import drafter_location
+        try:
+            read_config(Path(drafter_location(cfg.heads, cfg.accelerator.model)).expanduser())
+        except ValueError as e:
+            raise ValueError(f"heads={cfg.heads}: {e}") from None
+        if cfg.accelerator.num_depths != 1:
+            raise ValueError(f"heads={cfg.heads} is an EAGLE-3 drafter (one recurrent layer) but accelerator."
+                             f"num_depths={cfg.accelerator.num_depths}; set accelerator.num_depths=1")
     path = heads_file(cfg)
     if path is not None:                                # a heads file: readable header, right depth
         from mtp_heads.checkpoint import read_meta
@@ -141,18 +151,19 @@ def check_config(cfg: RunConfig) -> None:
 
 
 def heads_file(cfg: RunConfig) -> Path | None:
-    """The file `heads` names (the shipped or cached heads for `shipped`), None for `init` or a
-    shipped file that is missing (check_paths says so)."""
+    """The heads file `heads` names (the shipped or cached heads for `shipped`), None for `init`, an
+    EAGLE-3 drafter directory or a shipped file that is missing (check_paths says so)."""
     from mtp_heads.shipped import shipped_heads_path, trained_heads_path
 
-    if cfg.heads == "init":
+    if cfg.heads == "init" or is_eagle3_dir(cfg.heads, cfg.accelerator.model):
         return None
     if cfg.heads == "shipped":
         path = shipped_heads_path(cfg.accelerator.model) or trained_heads_path(cfg.accelerator.model)
         return path if path.is_file() else None
     path = Path(cfg.heads).expanduser()
     if not path.is_file():
-        raise ValueError(f"heads={cfg.heads!r}: no such heads file; use shipped, init or a checkpoint path")
+        raise ValueError(f"heads={cfg.heads!r}: no such heads file or EAGLE-3 directory; use shipped, init or a "
+                         "checkpoint path")
     return path
 
 
@@ -303,8 +314,8 @@ def resume(cfg: RunConfig, run_dir: Path) -> Checkpoint | None:
     return ckpt
 
 
-def _train(cfg: RunConfig, policy: Policy, heads: MTPHeads | None, run_dir: Path, ckpt: Checkpoint | None,
-           resolved) -> str | None:
+def _train(cfg: RunConfig, policy: Policy, heads: MTPHeads | Eagle3Heads | None, run_dir: Path,
+           ckpt: Checkpoint | None, resolved) -> str | None:
     """The driver loop, from step 0 or from the step after `ckpt`. A fresh run's config.yaml is
     written once the actors are up: a run that failed to start leaves no run behind. Returns what
     happened to a head co-trainer that died for good (cotrainer_lost), else None."""
@@ -313,13 +324,12 @@ def _train(cfg: RunConfig, policy: Policy, heads: MTPHeads | None, run_dir: Path
     source = TaskSource(cfg.tasks)
     start, versions, pending_sync, cotrainer_state = 0, {}, None, None
     if ckpt is not None:   # the workers get the weights that made step ckpt.step+1's rollouts, the trainer its own state
-        t, h = ckpt.load("trainer.pt"), ckpt.load("heads.pt")
+        t = ckpt.load("trainer.pt")
         trainer.model.load_state_dict(t["trained"], strict=False)
         trainer.optimizer.load_state_dict(t["optimizer"])
         policy.model.load_state_dict(t["previous"], strict=False)
-        heads = heads_from_flat(policy.model.config, cfg.accelerator.num_depths, pack(h["heads"]),
-                                cfg.accelerator.dtype)
-        start, versions = ckpt.step + 1, {"policy_version": ckpt.step, "head_version": h["head_version"]}
+        heads = ckpt.heads(policy.model.config, cfg.accelerator.num_depths, cfg.accelerator.dtype)
+        start, versions = ckpt.step + 1, {"policy_version": ckpt.step, "head_version": ckpt.head_version}
         pending_sync = (t["trained"], ckpt.policy_version)
         cotrainer_state = ckpt.load("cotrainer.pt")
     accel = RolloutAccelerator.from_config(cfg.accelerator, policy=policy.model, heads=heads, **versions)
@@ -430,7 +440,7 @@ def _checkpoint(run_dir: Path, step: int, trainer: GRPOTrainer, previous: dict, 
     heads, head_version = accel.current_heads()
     save_checkpoint(run_dir, step, trained=trainer.trained_weights(), previous=previous,
                     optimizer=trainer.optimizer.state_dict(), heads=heads, head_version=head_version,
-                    cotrainer=cotrainer, keep=keep)
+                    cotrainer=cotrainer, keep=keep, drafter=accel.drafter_spec)
 
 
 def plot_rl(run_dir: Path) -> Path:

@@ -65,7 +65,8 @@ class BenchDecodeConfig:
     history_epochs: int = 1                # untimed passes over the measured prompts first (earlier epochs)
     tasks: TaskConfig = field(default_factory=lambda: TaskConfig(num_prompts=64, heldout_prompts=0))
     dtype: str = "auto"                    # float32 | bfloat16 | auto (hardware's best)
-    compile: bool = False                  # torch.compile the forwards (CPUs: eager is faster)
+    compile: bool | None = None            # torch.compile the forwards; None = the engine's choice (GPUs compiled,
+                                           # CPUs eager, which is faster there)
     threads: int = 1                       # torch threads
     device: str = "cpu"                    # cpu | cuda | cuda:N: where the policy, heads and caches live
     json: str = ""                         # write all rows here
@@ -99,7 +100,7 @@ def load_bench_config(argv: list[str]) -> tuple[BenchDecodeConfig, str]:
 
 
 # ------------------------------------------------------------------------------ function API
-def make_engine(policy: CausalLM, heads, *, compile: bool, **engine_fields) -> TorchEngine:
+def make_engine(policy: CausalLM, heads, *, compile: bool | None, **engine_fields) -> TorchEngine:
     return TorchEngine(policy, heads, config=EngineConfig(compile=compile, profile=True, **engine_fields))
 
 
@@ -241,7 +242,8 @@ def main(argv: list[str] | None = None) -> int:
     policy, loaded = load_policy(cfg.model, cfg.dtype, cfg.device)
     heads, heads_desc = resolve_heads(policy, cfg.heads, model=cfg.model, num_depths=cfg.num_depths)
     batches = workload(cfg, lambda text: apply_chat_template(loaded, [{"role": "user", "content": text}]))
-    label = f"{dtype_name(cfg.dtype, cfg.device)}{' compiled' if cfg.compile else ''}"
+    compiled = cfg.compile if cfg.compile is not None else cfg.device != "cpu"
+    label = f"{dtype_name(cfg.dtype, cfg.device)}{' compiled' if compiled else ''}"
     print(f"{cfg.model} {label}  heads: {heads_desc}  k <= {cfg.num_draft_tokens}  machine: {machine()}", flush=True)
     rows = bench(policy, heads, cfg, batches, label)
     print(f"machine at the end: {machine()}")

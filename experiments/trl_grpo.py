@@ -33,7 +33,9 @@ import numpy as np
 import torch
 import yaml
 
-from mtp_heads.heads import MTPHeads, heads_from_flat
+from mtp_heads.drafters import DrafterSpec, drafter_from_flat
+from mtp_heads.eagle3_drafter import Eagle3Heads
+from mtp_heads.heads import MTPHeads
 from mtp_heads.shipped import check_heads_spec, resolve_heads
 from rollout.accelerator import AcceleratorConfig, RolloutAccelerator
 from rollout.config_loader import RESOLVED_NAME, packaged_config, preset_main, wants_help, write_resolved
@@ -107,7 +109,7 @@ class TRLRunConfig:
 # ------------------------------------------------------------------------------ setup
 
 
-def make_heads(cfg: TRLRunConfig, policy: CausalLM) -> MTPHeads:
+def make_heads(cfg: TRLRunConfig, policy: CausalLM) -> MTPHeads | Eagle3Heads:
     acc = cfg.accelerator
     return resolve_heads(policy, cfg.heads, model=acc.model, num_depths=acc.num_depths, seed=cfg.seed)[0]
 
@@ -132,8 +134,8 @@ def task_data(cfg: TRLRunConfig):
 # ------------------------------------------------------------------------------ one run
 
 
-def train(cfg: TRLRunConfig, run_dir: Path, hf_dir: Path, policy: CausalLM, heads: MTPHeads | None,
-          num_draft_tokens: int) -> dict:
+def train(cfg: TRLRunConfig, run_dir: Path, hf_dir: Path, policy: CausalLM,
+          heads: MTPHeads | Eagle3Heads | None, num_draft_tokens: int) -> dict:
     """One TRL GRPO run, from its last checkpoint when out_dir holds one (resume=true); returns its
     summary (also written to <run_dir>/summary.json)."""
     import transformers
@@ -154,7 +156,8 @@ def train(cfg: TRLRunConfig, run_dir: Path, hf_dir: Path, policy: CausalLM, head
         restore_run_files(saved, run_dir, acc_cfg.cotrainer.checkpoint_dir)
         print(f"resuming {run_dir} " + (f"after step {saved['global_step'] - 1}" if saved else "from step 0"))
     if saved is not None:       # the heads the workers ran at the checkpoint
-        heads = heads_from_flat(policy.config, acc_cfg.num_depths, pack(saved["heads"]), "float32")
+        spec = DrafterSpec.from_dict(saved["drafter"]) if "drafter" in saved else DrafterSpec(acc_cfg.num_depths)
+        heads = drafter_from_flat(policy.config, spec, pack(saved["heads"]), "float32")
         versions = {"policy_version": int(saved["global_step"]), "head_version": int(saved["head_version"])}
     model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
     train_last_layers(model, t.train_last_layers)

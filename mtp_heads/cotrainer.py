@@ -6,10 +6,11 @@ whether to refresh (mtp_heads.refresh), trains the heads against its own copy of
 policy by teacher forcing the recent rollouts, checkpoints atomically and hands the new
 heads back to the facade, which publishes them to the workers.
 
-The drafter may also be an EAGLE-3 drafter (mtp_heads.eagle3): its flat weights are told apart by
-their names (`fc.weight`), the aux states it reads are recomputed from the replayed tokens in the
-same policy forward that gives the teacher's states (mtp_heads.distill.batch_from_replay), its loss
-is mtp_heads.eagle3_train's and its checkpoint is an EAGLE-3 directory (EAGLE3_NAME).
+The drafter may also be an EAGLE-3 drafter (mtp_heads.eagle3): its flat weights come with a
+DrafterSpec (mtp_heads.drafters rebuilds either kind from the two), the aux states it reads are
+recomputed from the replayed tokens in the same policy forward that gives the teacher's states
+(mtp_heads.distill.batch_from_replay), its loss is mtp_heads.eagle3_train's and its checkpoint is an
+EAGLE-3 directory (EAGLE3_NAME).
 """
 from __future__ import annotations
 
@@ -28,10 +29,10 @@ import torch
 from mtp_heads.checkpoint import HeadMeta, load_heads, save_heads
 from mtp_heads.distill import OBJECTIVES, DistillBatch, DraftVocabMap, batch_from_replay, default_unroll_steps, \
     distill_loss
-from mtp_heads.eagle3 import Eagle3Drafter, check_aux_layer_ids, default_aux_layer_ids, layer_config_for
+from mtp_heads.drafters import DrafterSpec, drafter_from_flat, trained_module
+from mtp_heads.eagle3 import Eagle3Drafter
 from mtp_heads.eagle3_checkpoint import WEIGHTS_FILE, load_eagle3, save_eagle3
 from mtp_heads.eagle3_train import drafter_vocab, eagle3_loss
-from mtp_heads.heads import MTPHeads, heads_from_flat
 from mtp_heads.refresh import REFRESH_POLICIES, StepObservation, build_refresh_policy
 from rollout.models.config import ModelConfig
 from rollout.models.dtypes import parse_dtype
@@ -107,24 +108,6 @@ class CoTrainerConfig:
             raise ValueError(f"cotrainer.feature_weight must be >= 0, got {self.feature_weight}")
 
 
-def drafter_from_flat(policy_config: ModelConfig, num_depths: int, flat: FlatWeights,
-                      aux_layer_ids: tuple[int, ...] | None = None, device: str = "cpu") -> MTPHeads | Eagle3Drafter:
-    """MTPHeads, or an EAGLE-3 drafter when the weights are one (`fc.weight`), in float32. An EAGLE-3
-    drafter's aux layers are not in its weights: `aux_layer_ids`, else vLLM's default for the policy."""
-    state = unpack(flat)
-    if "fc.weight" not in state:
-        return heads_from_flat(policy_config, num_depths, flat, "float32", device)
-    L, d = policy_config.num_hidden_layers, policy_config.hidden_size
-    ids = check_aux_layer_ids(aux_layer_ids or default_aux_layer_ids(L), L)
-    if state["fc.weight"].shape != (d, len(ids) * d):
-        raise ValueError(f"EAGLE-3 weights: fc.weight {tuple(state['fc.weight'].shape)} does not read the "
-                         f"{len(ids)} aux layers {list(ids)} of a d={d} policy; pass aux_layer_ids")
-    drafter = Eagle3Drafter(layer_config_for(policy_config), ids, state["lm_head.weight"].shape[0],
-                            own_embedding="embed_tokens.weight" in state)
-    drafter.load_state_dict(state)
-    return drafter.to(device=device, dtype=torch.float32)
-
-
 @dataclass
 class RefreshResult:
     """What one observe() call did; `weights` is set only when the heads changed."""
@@ -145,22 +128,21 @@ class HeadCoTrainer:
     """
 
     def __init__(self, config: CoTrainerConfig, policy_config: ModelConfig, policy_weights: FlatWeights,
-                 policy_version: int, head_weights: FlatWeights, num_depths: int, head_version: int = 0, *,
-                 seed: int = 0, num_threads: int | None = None, device: str = "cpu",
-                 aux_layer_ids: tuple[int, ...] | None = None):
+                 policy_version: int, head_weights: FlatWeights, drafter: DrafterSpec, head_version: int = 0, *,
+                 seed: int = 0, num_threads: int | None = None, device: str = "cpu"):
         if num_threads is not None:
             torch.set_num_threads(num_threads)   # match the actor's CPU share (oversubscribed is slower)
         self.config = config
         self.device = device
         self.policy = policy_from_flat(policy_config, policy_weights, config.policy_dtype, device)
         self.policy_version = policy_version
-        self.heads = drafter_from_flat(policy_config, num_depths, head_weights, aux_layer_ids, device).train()
+        self.heads = trained_module(drafter_from_flat(policy_config, drafter, head_weights, "float32", device)).train()
         self.is_eagle3 = isinstance(self.heads, Eagle3Drafter)
         if self.is_eagle3 and config.feature_weight:
             raise ValueError(f"cotrainer.feature_weight={config.feature_weight}: an EAGLE-3 drafter has no feature "
                              "target; use 0")
         # the same draft steps (training-time test) and draft vocabulary as pre-training: mtp_heads.distill
-        self.unroll_steps = config.unroll_steps or default_unroll_steps(1 if self.is_eagle3 else num_depths)
+        self.unroll_steps = config.unroll_steps or default_unroll_steps(drafter.num_depths)
         self.head_version = head_version
         self.optimizer = torch.optim.AdamW(self.heads.parameters(), lr=config.lr, weight_decay=0.0)
         self.refresh_policy = build_refresh_policy(config)

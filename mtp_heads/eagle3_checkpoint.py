@@ -59,13 +59,20 @@ def config_dict(drafter: Eagle3Drafter, dtype: torch.dtype = torch.float32) -> d
     }
 
 
+def eagle3_files(config: dict, state: dict[str, torch.Tensor], dtype: torch.dtype = torch.float32) -> dict[str, bytes]:
+    """The directory's two files as bytes, weights first: {model.safetensors, config.json} of a drafter's
+    config_dict and state dict (floating tensors cast to `dtype`)."""
+    tensors = {k: (v.to(dtype) if v.is_floating_point() else v).detach().cpu().contiguous() for k, v in state.items()}
+    config = {**config, "torch_dtype": str(dtype).removeprefix("torch.")}
+    return {WEIGHTS_FILE: save(tensors, metadata={"format": "pt"}),
+            CONFIG_FILE: (json.dumps(config, indent=2) + "\n").encode("utf-8")}
+
+
 def save_eagle3(out_dir: str | os.PathLike, drafter: Eagle3Drafter, dtype: torch.dtype = torch.float32) -> Path:
     """Write config.json + model.safetensors (weights first, each atomically); returns the directory."""
     out = Path(out_dir)
-    tensors = {k: (v.to(dtype) if v.is_floating_point() else v).detach().cpu().contiguous()
-               for k, v in drafter.state_dict().items()}
-    atomic_write(out / WEIGHTS_FILE, save(tensors, metadata={"format": "pt"}))
-    atomic_write(out / CONFIG_FILE, json.dumps(config_dict(drafter, dtype), indent=2) + "\n")
+    for name, data in eagle3_files(config_dict(drafter, dtype), drafter.state_dict(), dtype).items():
+        atomic_write(out / name, data)
     return out
 
 
@@ -117,10 +124,9 @@ def aux_layer_ids_of(raw: dict, num_layers: int) -> tuple[int, ...]:
     return tuple(ids) if ids else (2, num_layers // 2, num_layers - 3)
 
 
-def check_config(raw: dict, policy: CausalLM, where: str | os.PathLike) -> tuple[ModelConfig, tuple[int, ...], int]:
-    """Refuse a drafter that does not fit the policy, naming the file and the mismatch; returns the draft
-    layer's config, the aux layer ids and the draft vocabulary size."""
-    cfg = policy.config
+def check_config(raw: dict, cfg: ModelConfig, where: str | os.PathLike) -> tuple[ModelConfig, tuple[int, ...], int]:
+    """Refuse a drafter that does not fit the policy (of config `cfg`), naming the file and the mismatch;
+    returns the draft layer's config, the aux layer ids and the draft vocabulary size."""
     fix = "; this drafter was trained for another policy"
 
     def refuse(msg: str):
@@ -166,7 +172,7 @@ def check_config(raw: dict, policy: CausalLM, where: str | os.PathLike) -> tuple
 def check_eagle3_dir(path: str | os.PathLike, policy: CausalLM) -> dict:
     """config.json checked against the policy, without reading weights (a command's pre-flight)."""
     raw = read_config(path)
-    check_config(raw, policy, _config_path(path))
+    check_config(raw, policy.config, _config_path(path))
     return raw
 
 
@@ -174,13 +180,21 @@ def load_eagle3(path: str | os.PathLike, policy: CausalLM) -> Eagle3Drafter:
     """The drafter at `path` (a directory or its config.json) for `policy`, on its device and dtype."""
     config = _config_path(path)
     raw = read_config(config)
-    layer, ids, draft_vocab = check_config(raw, policy, config)
+    check_config(raw, policy.config, config)
     weights = config.parent / WEIGHTS_FILE
     if not weights.is_file():
         raise ValueError(f"EAGLE-3 drafter {config.parent}: {WEIGHTS_FILE} is missing")
     with safe_open(str(weights), framework="pt") as f:
         tensors = {k: f.get_tensor(k) for k in f.keys()}
     check_finite(tensors, f"EAGLE-3 drafter {weights}")
+    return eagle3_from_tensors(raw, tensors, policy.config, weights).to_policy(policy).eval()
+
+
+def eagle3_from_tensors(raw: dict, tensors: dict[str, torch.Tensor], policy_config: ModelConfig,
+                        where: str | os.PathLike) -> Eagle3Drafter:
+    """The drafter of config.json `raw` holding `tensors` (its state dict), float32 on the CPU; the config is
+    checked against the policy and the tensors against the config, errors naming `where`."""
+    layer, ids, draft_vocab = check_config(raw, policy_config, where)
     drafter = Eagle3Drafter(layer, ids, draft_vocab, own_embedding="embed_tokens.weight" in tensors)
     expected = drafter.state_dict()
     bad = [f"{k} {tuple(v.shape)} (expected {tuple(expected[k].shape)})" for k, v in tensors.items()
@@ -188,13 +202,13 @@ def load_eagle3(path: str | os.PathLike, policy: CausalLM) -> Eagle3Drafter:
     missing = sorted(set(expected) - set(tensors))
     unexpected = sorted(set(tensors) - set(expected))
     if bad or missing or unexpected:
-        raise ValueError(f"EAGLE-3 drafter {weights} does not match its config (aux layers {list(ids)}, draft "
+        raise ValueError(f"EAGLE-3 drafter {where} does not match its config (aux layers {list(ids)}, draft "
                          f"vocabulary {draft_vocab}): wrong shapes {bad[:3]}, missing {missing[:4]}, "
                          f"unexpected {unexpected[:4]}")
     if drafter.d2t is not None:
-        targets = torch.arange(draft_vocab) + tensors["d2t"].long()
-        if int(targets.min()) < 0 or int(targets.max()) >= policy.config.vocab_size:
-            raise ValueError(f"EAGLE-3 drafter {weights}: d2t maps draft ids outside the policy's vocabulary "
-                             f"[0, {policy.config.vocab_size})")
-    drafter.load_state_dict({k: v for k, v in tensors.items()})
-    return drafter.to_policy(policy).eval()
+        targets = torch.arange(draft_vocab) + tensors["d2t"].cpu().long()
+        if int(targets.min()) < 0 or int(targets.max()) >= policy_config.vocab_size:
+            raise ValueError(f"EAGLE-3 drafter {where}: d2t maps draft ids outside the policy's vocabulary "
+                             f"[0, {policy_config.vocab_size})")
+    drafter.load_state_dict(dict(tensors))
+    return drafter

@@ -4,7 +4,9 @@
 
 `shipped`: mtp_heads/default_heads/<model>.safetensors (bf16, with a model card <model>.md beside
 it), made by `mtp-rollout train-heads heads_smollm2`; for a model the package ships none for, the
-heads `mtp-rollout train-heads model=<model>` cached under $MTP_ROLLOUT_CACHE/heads. `init`:
+heads `mtp-rollout train-heads model=<model>` cached under $MTP_ROLLOUT_CACHE/heads. `shipped-eagle3`:
+the EAGLE-3 drafter shipped for the model, mtp_heads/default_heads/<model>-eagle3/ (vLLM's layout, card
+<model>-eagle3.md), made by `mtp-rollout train-heads eagle3_smollm2`. `init`:
 untrained heads (a copy of the policy's last layer). Anything else is a checkpoint file written by
 mtp_heads.checkpoint.save_heads (train-heads or a co-trainer checkpoint), or an EAGLE-3 drafter
 directory in vLLM's `eagle3` layout (mtp_heads.eagle3_checkpoint), which drafts through the same
@@ -27,6 +29,26 @@ RETIRED = {"pretrained": "shipped", "auto": "shipped", "path": "<the checkpoint 
 SHIPPED: dict[str, str] = {          # model spec -> file in SHIPPED_DIR
     "smollm2-135m": "smollm2-135m.safetensors",
 }
+SHIPPED_EAGLE3_NAME = "shipped-eagle3"
+SHIPPED_EAGLE3: dict[str, str] = {   # model spec -> EAGLE-3 drafter directory in SHIPPED_DIR
+    "smollm2-135m": "smollm2-135m-eagle3",
+}
+
+
+def shipped_eagle3_path(model_spec: str) -> Path:
+    """The EAGLE-3 drafter shipped for a model; ValueError naming `heads=shipped-eagle3` when none is."""
+    name = SHIPPED_EAGLE3.get(str(model_spec))
+    if name is None or not (SHIPPED_DIR / name).is_dir():
+        raise ValueError(f"heads={SHIPPED_EAGLE3_NAME}: the package ships no EAGLE-3 drafter for model {model_spec!r} "
+                         f"(it ships one for {sorted(SHIPPED_EAGLE3)}); train one with `mtp-rollout train-heads "
+                         f"eagle3_smollm2 model={model_spec}` and pass heads=<its eagle3 directory>")
+    return SHIPPED_DIR / name
+
+
+def drafter_location(spec: str, model_spec: str) -> str:
+    """The path a `heads` setting stands for where it names a shipped EAGLE-3 drafter; every other setting
+    as given (shipped, init and paths are resolved by resolve_heads)."""
+    return str(shipped_eagle3_path(model_spec)) if spec == SHIPPED_EAGLE3_NAME else spec
 
 
 def shipped_heads_path(model_spec: str) -> Path | None:
@@ -70,12 +92,13 @@ def resolve_heads(policy: CausalLM, spec: str, *, model: str, num_depths: int | 
                   seed: int = 0) -> tuple[MTPHeads | Eagle3Heads, str]:
     """Heads for `policy` from a `heads` setting, and a one-line description for logs.
 
-    spec: "shipped", "init", a checkpoint path or an EAGLE-3 directory (or its config.json). model: the
+    spec: "shipped", "shipped-eagle3", "init", a checkpoint path or an EAGLE-3 directory (or its config.json). model: the
     policy's model spec (names the shipped file). num_depths: head modules (one recurrent depth drafts
     every position; None = 1 for "init", what the file holds otherwise); a number must match the
     file's (an EAGLE-3 drafter has one). ValueError naming the file or the setting otherwise.
     """
     check_heads_spec("heads", spec)
+    spec = drafter_location(spec, model)
     if spec == "init":
         return init_heads(policy, num_depths or 1, seed=seed), "init (untrained: expect low acceptance)"
     if spec == "shipped":

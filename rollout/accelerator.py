@@ -20,6 +20,8 @@ import numpy as np
 import ray
 import torch
 
+from mtp_heads.drafters import DrafterSpec, drafter_spec
+from mtp_heads.eagle3_drafter import Eagle3Heads
 from mtp_heads.heads import MTPHeads
 from rollout.cotrainer_client import CoTrainerClient
 from rollout.models.decoder import CausalLM
@@ -30,7 +32,7 @@ from rollout.ray_guard import GuardedRay, init_ray
 from rollout.types import Completion, RolloutBatch, SamplingParams
 from rollout.models.flat_weights import FlatWeights, pack, unpack
 from rollout.worker_pool import WorkerPool
-from rollout.workers import WorkerConfig
+from rollout.workers import EAGLE3_VLLM_METHOD, WorkerConfig
 from mtp_heads.cotrainer import CoTrainerConfig
 from mtp_heads.refresh import StepObservation
 
@@ -49,8 +51,8 @@ class AcceleratorConfig:
     model: str = "smollm2-135m"         # `smollm2-135m`, `tiny-random` (byte-level test model), a `.gguf` file
                                         # or an HF directory
     heads: str = "shipped"              # draft heads: `shipped` (the package's, or train-heads' cached ones),
-                                        # `init` (untrained) or a heads checkpoint path
-    num_depths: int = 1                 # MTP depths D of the heads
+                                        # `init` (untrained), a heads checkpoint path or an EAGLE-3 drafter directory
+    num_depths: int = 1                 # MTP depths D of the heads (1 for an EAGLE-3 drafter)
     dtype: str = "float32"              # rollout weights: `float32`, `bfloat16`, `float16`, `auto` (the hardware's best)
     ray_address: str | None = None      # Ray cluster address; null starts (or joins) a local Ray
     seed: int = 0                       # seed of freshly initialised heads in the accelerator
@@ -59,18 +61,26 @@ class AcceleratorConfig:
         parse_dtype(self.dtype)
         from mtp_heads.shipped import check_heads_spec
         check_heads_spec("heads", self.heads)   # a run sets it as `heads`
-        if self.heads not in ("shipped", "init") and Path(self.heads).exists():
-            from mtp_heads.eagle3_checkpoint import drafter_layout
-            try:
-                eagle3 = drafter_layout(self.heads) == "eagle3"
-            except ValueError:
-                eagle3 = False                  # not a drafter at all: the heads loader names the file
-            if eagle3:
-                raise ValueError(f"heads={self.heads} is an EAGLE-3 drafter: the Ray workers behind run and "
-                                 "RolloutAccelerator draft with MTP heads only; EAGLE-3 drafts in the torch engine "
-                                 "(generate, bench-decode, TorchEngine) and in vLLM (draft_method=eagle3)")
+        w = self.workers
+        if w.engine == "vllm" and w.vllm_draft_method != "heads" and is_eagle3_dir(self.heads, self.model):
+            raise ValueError(f"heads={self.heads} is an EAGLE-3 drafter: "
+                             + EAGLE3_VLLM_METHOD.format(method=w.vllm_draft_method))
         if self.num_depths < 1:
             raise ValueError(f"accelerator.num_depths must be >= 1, got {self.num_depths}")
+
+
+def is_eagle3_dir(heads: str, model: str) -> bool:
+    """Whether a `heads` setting names an EAGLE-3 drafter directory, the shipped one (`shipped-eagle3`) included
+    (a path in neither layout is not: the heads loader names it)."""
+    from mtp_heads.shipped import drafter_location
+    heads = drafter_location(heads, model)
+    if heads in ("shipped", "init") or not Path(heads).expanduser().exists():
+        return False
+    from mtp_heads.eagle3_checkpoint import drafter_layout
+    try:
+        return drafter_layout(Path(heads).expanduser()) == "eagle3"
+    except ValueError:
+        return False
 
 
 def check_resources(cfg: AcceleratorConfig) -> None:
@@ -96,14 +106,14 @@ def mean_entropy(comps: list[Completion]) -> float:
 class RolloutAccelerator:
     """Facade over the Ray actors; see module docstring. Build with from_config()."""
 
-    def __init__(self, cfg: AcceleratorConfig, policy: CausalLM, heads: MTPHeads, *, owns_ray: GuardedRay | None = None,
-                 policy_version: int = 0, head_version: int = 0):
+    def __init__(self, cfg: AcceleratorConfig, policy: CausalLM, heads: MTPHeads | Eagle3Heads, *,
+                 owns_ray: GuardedRay | None = None, policy_version: int = 0, head_version: int = 0):
         self.cfg = cfg
         self._owns_ray = owns_ray          # the Ray this facade started (stopped by shutdown), or None
         # generate() may run in a prefetch thread while the driver syncs weights or ends a step:
         # the lock keeps worker replacement, weight refs and the step's completions consistent.
         self._lock = threading.RLock()
-        self._weights = PublishedWeights(policy.config, policy.state_dict(), heads.state_dict(), heads.num_depths,
+        self._weights = PublishedWeights(policy.config, policy.state_dict(), heads.state_dict(), drafter_spec(heads),
                                          policy_version=policy_version, head_version=head_version)
         self.monitor = AcceptanceMonitor(cfg.monitor)
         self._step = 0
@@ -125,7 +135,7 @@ class RolloutAccelerator:
 
     @classmethod
     def from_config(cls, cfg: AcceleratorConfig, *, policy: CausalLM | None = None,
-                    heads: MTPHeads | None = None, policy_version: int = 0,
+                    heads: MTPHeads | Eagle3Heads | None = None, policy_version: int = 0,
                     head_version: int = 0) -> "RolloutAccelerator":
         """Start (or join) Ray, load the policy and heads unless given, start the actors. A local Ray
         started here is guarded (stopped with this process, even after SIGKILL) and listens on
@@ -263,6 +273,12 @@ class RolloutAccelerator:
         """The heads the workers run now and their version (what a run checkpoint saves)."""
         with self._lock:
             return unpack(ray.get(self._weights.heads_ref)), self.head_version
+
+    @property
+    def drafter_spec(self) -> DrafterSpec:
+        """What rebuilds the heads from current_heads()'s tensors: MTP heads' depths or an EAGLE-3
+        drafter's config (mtp_heads.drafters.drafter_from_flat)."""
+        return self._weights.drafter
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait (up to timeout s in all) for the co-trainer's pending decisions; True if none is left."""

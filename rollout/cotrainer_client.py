@@ -62,7 +62,7 @@ class CoTrainerClient:
         """A co-trainer with the latest policy; it resumes its heads from checkpoint_dir if one is there."""
         c, pw = self.cfg, self._weights
         return self._actor_cls.options(num_cpus=c.num_cpus, num_gpus=c.num_gpus, max_restarts=0).remote(
-            c, pw.policy_config, pw.full_policy_ref(), pw.policy_version, pw.heads_ref, pw.num_depths,
+            c, pw.policy_config, pw.full_policy_ref(), pw.policy_version, pw.heads_ref, pw.drafter,
             pw.head_version, seed=self.seed, num_threads=actor_threads(c.num_cpus),
             device="cuda" if c.num_gpus > 0 else "cpu")
 

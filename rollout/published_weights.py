@@ -10,19 +10,20 @@ from __future__ import annotations
 import ray
 import torch
 
+from mtp_heads.drafters import DrafterSpec
 from rollout.models.config import ModelConfig
 from rollout.models.flat_weights import FlatWeights, pack
 
 
 class PublishedWeights:
-    """Versions and object refs of the newest policy and heads. Not thread-safe on its own: the
-    facade calls it under its lock."""
+    """Versions and object refs of the newest policy and heads, and the spec that rebuilds the heads
+    (their kind does not change in a run). Not thread-safe on its own: the facade calls it under its lock."""
 
     def __init__(self, policy_config: ModelConfig, policy_state: dict[str, torch.Tensor],
-                 heads_state: dict[str, torch.Tensor], num_depths: int, *,
+                 heads_state: dict[str, torch.Tensor], drafter: DrafterSpec, *,
                  policy_version: int = 0, head_version: int = 0):
         self.policy_config = policy_config
-        self.num_depths = num_depths
+        self.drafter = drafter          # what rebuilds the heads from heads_ref (MTP heads or an EAGLE-3 drafter)
         self._policy_state = {k: v.detach().to("cpu", copy=True) for k, v in policy_state.items()}
         self._shapes = {k: tuple(v.shape) for k, v in self._policy_state.items()}
         self._full_ref: ray.ObjectRef | None = None

@@ -85,7 +85,7 @@ class WorkerPool:
         w, pw = self.cfg, self._weights
         return self._actor_cls.options(num_cpus=w.num_cpus_per_worker, num_gpus=w.num_gpus_per_worker,
                                        max_restarts=0).remote(
-            i, w, pw.policy_config, pw.full_policy_ref(), pw.policy_version, pw.heads_ref, pw.num_depths,
+            i, w, pw.policy_config, pw.full_policy_ref(), pw.policy_version, pw.heads_ref, pw.drafter,
             pw.head_version, dtype=self.dtype, num_threads=actor_threads(w.num_cpus_per_worker))
 
     def broadcast_policy(self, ref: ray.ObjectRef, version: int) -> None:

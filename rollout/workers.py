@@ -9,13 +9,15 @@ from __future__ import annotations
 
 import importlib
 import os
+import tempfile
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Protocol
 
 import torch
 
-from mtp_heads.heads import heads_from_flat
+from mtp_heads.drafters import DrafterSpec, drafter_from_flat
+from mtp_heads.eagle3_drafter import Eagle3Heads
 from rollout.models.config import ModelConfig
 from rollout.models.flat_weights import FlatWeights, policy_from_flat, unpack
 from rollout.types import RolloutBatch, SamplingParams
@@ -34,7 +36,7 @@ class Engine(Protocol):
     def update_heads(self, state_dict: dict[str, torch.Tensor], version: int) -> None: ...
 
 
-def _torch_engine(policy: "CausalLM", heads: "MTPHeads | None", policy_version: int, head_version: int,
+def _torch_engine(policy: "CausalLM", heads: "MTPHeads | Eagle3Heads | None", policy_version: int, head_version: int,
                   config: "WorkerConfig") -> Engine:
     from rollout.engine.config import EngineConfig
     from rollout.torch_engine import TorchEngine
@@ -44,12 +46,52 @@ def _torch_engine(policy: "CausalLM", heads: "MTPHeads | None", policy_version: 
                                            draft_sources=tuple(config.draft_sources)))
 
 
-def _vllm_engine(policy: "CausalLM", heads: "MTPHeads | None", policy_version: int, head_version: int,
-                 config: "WorkerConfig") -> Engine:
+def _vllm_engine(policy: "CausalLM", heads: "MTPHeads | Eagle3Heads | None", policy_version: int,
+                 head_version: int, config: "WorkerConfig") -> Engine:
     # lazy: vllm is an optional extra and slow to import
     module = importlib.import_module("rollout.vllm")
+    if isinstance(heads, Eagle3Heads):
+        if config.vllm_draft_method != "heads":
+            raise ValueError(EAGLE3_VLLM_METHOD.format(method=config.vllm_draft_method))
+        return VLLMEagle3Engine(module, policy, heads, policy_version, head_version)
     return module.VLLMEngine(policy, heads, policy_version=policy_version, head_version=head_version,
                              config=module.VLLMEngineConfig(draft_method=config.vllm_draft_method))
+
+
+class VLLMEagle3Engine:
+    """vLLM's built-in eagle3 method drafting with the worker's EAGLE-3 drafter. vLLM reads that drafter
+    from a directory and refreshes it through update_drafter, so it is written out once at the start and
+    head updates go there; everything else is the vLLM engine's."""
+
+    def __init__(self, module, policy: "CausalLM", heads: Eagle3Heads, policy_version: int, head_version: int):
+        from mtp_heads.eagle3_checkpoint import save_eagle3
+
+        with tempfile.TemporaryDirectory(prefix="mtp-rollout-eagle3-") as tmp:   # read by the engine's constructor
+            path = save_eagle3(os.path.join(tmp, "eagle3"), heads.drafter)
+            self.engine = module.VLLMEngine(policy, None, policy_version=policy_version, head_version=head_version,
+                                            config=module.VLLMEngineConfig(draft_method="eagle3",
+                                                                           drafter_path=str(path)))
+
+    @property
+    def policy_version(self) -> int:
+        return self.engine.policy_version
+
+    @property
+    def head_version(self) -> int:
+        return self.engine.head_version
+
+    def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> RolloutBatch:
+        return self.engine.generate(prompts, sampling)
+
+    def update_policy(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
+        self.engine.update_policy(state_dict, version)
+
+    def update_heads(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
+        self.engine.update_drafter(state_dict, version)
+
+
+EAGLE3_VLLM_METHOD = ("workers.vllm_draft_method={method} drafts from history and leaves the EAGLE-3 drafter unused; "
+                      "set workers.vllm_draft_method=heads (vLLM's eagle3 method) or pass MTP heads")
 
 
 # engine name -> factory(policy, heads, policy_version, head_version, worker config)
@@ -68,7 +110,8 @@ class WorkerConfig:
     draft_lengths: str = "chosen"       # torch engine, k > 0: chosen = each row, each round, drafts 0..k tokens from
                                         # the source predicted to pay most; fixed = k head tokens for every row (studies)
     draft_sources: tuple[str, ...] = ("heads", "history")   # what `chosen` drafts from
-    vllm_draft_method: str = "heads"    # vLLM engine: heads, ngram or suffix (one method per engine, docs/vllm.md)
+    vllm_draft_method: str = "heads"    # vLLM engine: heads (the run's drafter: MTP heads, or an EAGLE-3 drafter by
+                                        # vLLM's eagle3 method), ngram or suffix (one method per engine, docs/vllm.md)
 
     def __post_init__(self) -> None:
         if self.num_workers < 1:
@@ -105,14 +148,13 @@ class RolloutWorker:
 
     def __init__(self, worker_id: int, config: WorkerConfig, policy_config: ModelConfig,
                  policy_weights: FlatWeights, policy_version: int, head_weights: FlatWeights | None,
-                 num_depths: int, head_version: int, *, dtype: str = "float32", num_threads: int | None = None):
+                 drafter: DrafterSpec, head_version: int, *, dtype: str = "float32", num_threads: int | None = None):
         if num_threads is not None:
             torch.set_num_threads(num_threads)   # threads = the actor's CPU share (oversubscribed is slower)
         device = config.device
         self.worker_id = worker_id
         policy = policy_from_flat(policy_config, policy_weights, dtype, device)
-        heads = None if head_weights is None else heads_from_flat(policy_config, num_depths, head_weights, dtype,
-                                                                   device)
+        heads = None if head_weights is None else drafter_from_flat(policy_config, drafter, head_weights, dtype, device)
         self.engine = ENGINES[config.engine](policy, heads, policy_version, head_version, config)
         self.engine_name = config.engine
         self.paused = False

@@ -142,6 +142,27 @@ def test_the_shipped_heads_use_the_current_tensor_names_and_format():
         assert set(f.keys()) == set(fresh.state_dict()) | {"draft_vocab"}
 
 
+
+def test_the_shipped_eagle3_drafter_fits_smollm2_and_is_named_shipped_eagle3():
+    """heads=shipped-eagle3 names the packaged EAGLE-3 drafter; its config and every tensor fit SmolLM2-135M
+    (checked against the architecture, without the model's weights), finite, in bf16 with its draft maps."""
+    from mtp_heads.eagle3_checkpoint import WEIGHTS_FILE, drafter_layout, eagle3_from_tensors, read_config
+    from mtp_heads.shipped import drafter_location, shipped_eagle3_path
+    path = shipped_eagle3_path("smollm2-135m")
+    assert drafter_location("shipped-eagle3", "smollm2-135m") == str(path)
+    assert drafter_location("shipped", "smollm2-135m") == "shipped"
+    assert drafter_layout(path) == "eagle3"
+    cfg = ModelConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                      num_attention_heads=9, num_key_value_heads=3)              # SmolLM2-135M's architecture
+    with safe_open(str(path / WEIGHTS_FILE), framework="pt") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    assert all(torch.isfinite(t.float()).all() for t in tensors.values() if t.is_floating_point())
+    assert {t.dtype for t in tensors.values() if t.is_floating_point()} == {torch.bfloat16}
+    drafter = eagle3_from_tensors(read_config(path), tensors, cfg, path)
+    assert drafter.aux_layer_ids == (2, 15, 27) and drafter.draft_vocab_size == 4096
+    with pytest.raises(ValueError, match="heads=shipped-eagle3: the package ships no EAGLE-3 drafter for model 'other'"):
+        drafter_location("shipped-eagle3", "other")
+
 def _rewrite_header(path, **changes):
     with safe_open(str(path), framework="pt") as f:
         tensors = {k: f.get_tensor(k) for k in f.keys()}

@@ -99,9 +99,10 @@ def test_completion_mask_and_step_masks():
 def _cotrainer(policy, heads, **kw):
     from rollout.models.flat_weights import pack
     from mtp_heads.cotrainer import CoTrainerConfig, HeadCoTrainer
+    from mtp_heads.drafters import drafter_spec
     cfg = CoTrainerConfig(**{"batch_tokens": 100_000, "lr": 3e-3, "policy_dtype": "float32", **kw})
     return HeadCoTrainer(cfg, policy.config, pack(policy.state_dict()), 0, pack(heads.state_dict()),
-                         heads.num_depths, 0, seed=0)
+                         drafter_spec(heads), 0, seed=0)
 
 
 def _rollouts(policy, n, seed):

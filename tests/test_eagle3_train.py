@@ -254,13 +254,14 @@ def test_bad_eagle3_input_is_refused_before_training_in_one_line(policy, data, h
 
 def test_cotrainer_trains_an_eagle3_drafter_with_the_pretraining_loss_and_resumes(policy, data, tmp_path):
     from mtp_heads.cotrainer import CoTrainerConfig, HeadCoTrainer
+    from mtp_heads.drafters import drafter_spec
     from mtp_heads.refresh import StepObservation
     from rollout.models.flat_weights import pack
     drafter = last_layer_eagle3(policy, AUX, torch.arange(0, 64, 2), 0)
     cfg = CoTrainerConfig(loss="tv", lr=3e-3, steps_per_refresh=25, batch_tokens=200, refresh=("every_n_steps",),
                           every_n_steps=1, checkpoint_dir=str(tmp_path / "ct"), unroll_steps=2)
-    ct = HeadCoTrainer(cfg, policy.config, pack(policy.state_dict()), 0, pack(drafter.state_dict()), 1, 0,
-                       aux_layer_ids=AUX)
+    ct = HeadCoTrainer(cfg, policy.config, pack(policy.state_dict()), 0, pack(drafter.state_dict()),
+                       drafter_spec(drafter), 0)
     assert ct.is_eagle3
     rollouts = [(data[i].tokens[:int(data.prompt_lens[i])].tolist(), data[i].tokens[int(data.prompt_lens[i]):].tolist())
                 for i in range(len(data))]
@@ -273,7 +274,7 @@ def test_cotrainer_trains_an_eagle3_drafter_with_the_pretraining_loss_and_resume
     res = ct.observe(StepObservation(step=1, mean_entropy=1.0, acceptance_rate=0.5, head_version=0))
     assert res.refreshed and res.head_version == 1 and np.mean(res.losses[-5:]) < np.mean(res.losses[:5])
     assert (tmp_path / "ct" / "eagle3_latest" / WEIGHTS_FILE).is_file()
-    again = HeadCoTrainer(cfg, policy.config, pack(policy.state_dict()), 0, pack(drafter.state_dict()), 1, 0,
-                          aux_layer_ids=AUX)
+    again = HeadCoTrainer(cfg, policy.config, pack(policy.state_dict()), 0, pack(drafter.state_dict()),
+                          drafter_spec(drafter), 0)
     assert again.head_version == 1 and again.train_steps == ct.train_steps
     assert all(torch.equal(again.heads.state_dict()[k], v) for k, v in ct.heads.state_dict().items())

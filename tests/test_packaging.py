@@ -31,6 +31,8 @@ def test_the_wheel_carries_packages_configs_heads_and_the_command(wheel):
     assert yamls and {f"configs/{y}" for y in yamls} <= names
     assert "mtp_heads/default_heads/smollm2-135m.safetensors" in names
     assert "mtp_heads/default_heads/smollm2-135m.md" in names
+    for name in ("smollm2-135m-eagle3/config.json", "smollm2-135m-eagle3/model.safetensors", "smollm2-135m-eagle3.md"):
+        assert f"mtp_heads/default_heads/{name}" in names, name
     entry_points = next(n for n in names if n.endswith(".dist-info/entry_points.txt"))
     text = zipfile.ZipFile(wheel).read(entry_points).decode()
     assert "mtp-rollout = experiments.cli:main" in text

@@ -4,6 +4,7 @@ before the model loads where the check needs no model, and with nothing written 
 from __future__ import annotations
 
 import pytest
+import torch
 
 from experiments import async_rl, cli
 from mtp_heads.checkpoint import HeadMeta, save_heads
@@ -116,10 +117,44 @@ def test_heads_file_of_the_right_model_passes_the_checks(tmp_path):
     assert not (tmp_path / "run").exists()
 
 
-def test_an_eagle3_drafter_is_refused_by_run_naming_where_it_drafts(tmp_path, capsys, no_ray, no_model):
+def _eagle3_dir(path, config):
     from mtp_heads.eagle3 import init_eagle3
     from mtp_heads.eagle3_checkpoint import save_eagle3
 
-    drafter_dir = save_eagle3(tmp_path / "eagle3", init_eagle3(random_model(TINY_RANDOM, seed=0)))
-    line = refused(capsys, tmp_path / "run", f"heads={drafter_dir}")
-    assert f"heads={drafter_dir} is an EAGLE-3 drafter" in line and "draft_method=eagle3" in line, line
+    return save_eagle3(path, init_eagle3(random_model(config, seed=0), draft_vocab=torch.arange(2, 40)))
+
+
+def test_an_eagle3_drafter_of_this_model_passes_the_checks_and_drafts_in_the_run(tmp_path):
+    """run takes heads=<EAGLE-3 directory> as it takes a heads file: the checks pass and the run's heads
+    are the drafter, with its aux layers and draft vocabulary (tests/test_eagle3_rollouts.py runs it)."""
+    from mtp_heads.eagle3_drafter import Eagle3Heads
+    from trainers.config import load_run_config
+
+    drafter_dir = _eagle3_dir(tmp_path / "eagle3", TINY_RANDOM)
+    cfg, _ = load_run_config([SMOKE, f"out_dir={tmp_path / 'run'}", f"heads={drafter_dir}", "accelerator.num_depths=1"])
+    async_rl.check_config(cfg)
+    async_rl.check_paths(cfg)
+    heads = async_rl.make_heads(async_rl.load_rl_policy(cfg.accelerator.model, "float32", cfg.seed), cfg)
+    assert isinstance(heads, Eagle3Heads) and heads.drafter.draft_vocab_size == 38
+    assert not (tmp_path / "run").exists()
+
+
+def test_an_eagle3_drafter_of_another_model_is_refused_naming_its_file_and_the_mismatch(tmp_path, capsys, no_ray):
+    drafter_dir = _eagle3_dir(tmp_path / "eagle3", tiny_config())            # hidden 32; tiny-random's is 64
+    line = refused(capsys, tmp_path / "run", f"heads={drafter_dir}", "accelerator.num_depths=1")
+    assert f"heads={drafter_dir}" in line and f"{drafter_dir / 'config.json'}" in line, line
+    assert "hidden_size 32 != the policy's 64" in line, line
+
+
+def test_an_eagle3_drafter_with_more_depths_is_refused_before_the_model_loads(tmp_path, capsys, no_ray, no_model):
+    drafter_dir = _eagle3_dir(tmp_path / "eagle3", TINY_RANDOM)
+    line = refused(capsys, tmp_path / "run", f"heads={drafter_dir}")           # smoke.yaml: num_depths 2
+    assert f"heads={drafter_dir} is an EAGLE-3 drafter" in line and "set accelerator.num_depths=1" in line, line
+
+
+def test_an_eagle3_drafter_with_a_vllm_history_method_is_refused_naming_the_setting(tmp_path, capsys, no_ray,
+                                                                                     no_model):
+    drafter_dir = _eagle3_dir(tmp_path / "eagle3", TINY_RANDOM)
+    line = refused(capsys, tmp_path / "run", f"heads={drafter_dir}", "accelerator.num_depths=1",
+                   "accelerator.workers.engine=vllm", "accelerator.workers.vllm_draft_method=ngram")
+    assert f"heads={drafter_dir} is an EAGLE-3 drafter" in line and "vllm_draft_method=ngram" in line, line

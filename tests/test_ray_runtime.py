@@ -27,6 +27,7 @@ from rollout.workers import WorkerConfig
 from tests.conftest import random_heads, tiny_model
 from tests.test_ray_exposure import has_actor, kill9_leaves_no_ray
 from mtp_heads.cotrainer import CoTrainerConfig, HeadCoTrainer
+from mtp_heads.drafters import DrafterSpec
 from mtp_heads.refresh import StepObservation, build_refresh_policy
 
 PROMPTS = [[2 + i, 3, 4 + i, 5] for i in range(4)]
@@ -170,13 +171,15 @@ def test_cotrainer_tv_refresh_lowers_loss_and_checkpoints(models, tmp_path):
     batch = TorchEngine(policy, heads).generate(PROMPTS, sp(1.0, n=16))
     cfg = CoTrainerConfig(refresh=("every_n_steps",), every_n_steps=1, steps_per_refresh=8, batch_tokens=128,
                           lr=3e-3, checkpoint_dir=str(tmp_path))
-    ct = HeadCoTrainer(cfg, policy.config, pack(policy.state_dict()), 0, pack(heads.state_dict()), 2, 0)
+    ct = HeadCoTrainer(cfg, policy.config, pack(policy.state_dict()), 0, pack(heads.state_dict()),
+                           DrafterSpec(2), 0)
     ct.add_rollouts([(c.prompt, c.tokens) for c in batch.completions])
     assert not ct.observe(StepObservation(0, 1.0, 0.5, 0)).refreshed
     res = ct.observe(StepObservation(1, 1.0, 0.5, 0))
     assert res.refreshed and res.head_version == 1 and res.reason.startswith("every_n_steps")
     assert res.losses[-1] < res.losses[0]
-    again = HeadCoTrainer(cfg, policy.config, pack(policy.state_dict()), 0, pack(heads.state_dict()), 2, 0)
+    again = HeadCoTrainer(cfg, policy.config, pack(policy.state_dict()), 0, pack(heads.state_dict()),
+                           DrafterSpec(2), 0)
     assert again.head_version == 1 and again.resumed_from is not None
     for k, t in unpack(res.weights).items():
         assert torch.equal(again.heads.state_dict()[k], t)
@@ -195,7 +198,8 @@ def test_a_refresh_that_is_worse_on_the_newest_rollouts_is_not_published(models,
     for lr, published in ((3.0, False), (3e-3, True)):
         cfg = CoTrainerConfig(refresh=("every_n_steps",), every_n_steps=1, steps_per_refresh=4, batch_tokens=64,
                               lr=lr, checkpoint_dir=str(tmp_path / str(lr)))
-        ct = HeadCoTrainer(cfg, policy.config, pack(policy.state_dict()), 0, pack(heads.state_dict()), 2, 0)
+        ct = HeadCoTrainer(cfg, policy.config, pack(policy.state_dict()), 0, pack(heads.state_dict()),
+                           DrafterSpec(2), 0)
         ct.add_rollouts(rollouts)
         ct.observe(StepObservation(0, 1.0, 0.5, 0))
         res = ct.observe(StepObservation(1, 1.0, 0.5, 0))
@@ -220,7 +224,8 @@ def test_cotrainer_refresh_stops_at_its_time_budget(models, monkeypatch):
     for budget, steps in ((25.0, 3), (0.0, 6)):
         cfg = CoTrainerConfig(refresh=("every_n_steps",), every_n_steps=1, steps_per_refresh=6, batch_tokens=64,
                               refresh_budget_s=budget)
-        ct = HeadCoTrainer(cfg, policy.config, pack(policy.state_dict()), 0, pack(heads.state_dict()), 2, 0)
+        ct = HeadCoTrainer(cfg, policy.config, pack(policy.state_dict()), 0, pack(heads.state_dict()),
+                           DrafterSpec(2), 0)
         ct.add_rollouts([(c.prompt, c.tokens) for c in batch.completions])
         ct.observe(StepObservation(0, 1.0, 0.5, 0))
         res = ct.observe(StepObservation(1, 1.0, 0.5, 0))

@@ -312,6 +312,7 @@ def test_cotrainer_state_roundtrip_continues_identically(tmp_path):
     from rollout.models.flat_weights import pack
     from tests.conftest import tiny_config
     from mtp_heads.cotrainer import CoTrainerConfig, HeadCoTrainer
+    from mtp_heads.drafters import DrafterSpec
     from mtp_heads.refresh import StepObservation
 
     policy = random_model(tiny_config(), seed=0)
@@ -323,7 +324,8 @@ def test_cotrainer_state_roundtrip_continues_identically(tmp_path):
     def fresh(d):
         cfg = CoTrainerConfig(refresh=("every_n_steps",), every_n_steps=1, steps_per_refresh=3, batch_tokens=40,
                               lr=3e-3, checkpoint_dir=str(tmp_path / d))
-        return HeadCoTrainer(cfg, policy.config, pack(policy.state_dict()), 0, pack(heads.state_dict()), 2, 0)
+        return HeadCoTrainer(cfg, policy.config, pack(policy.state_dict()), 0, pack(heads.state_dict()),
+                             DrafterSpec(2), 0)
 
     a = fresh("a")
     a.add_rollouts(seqs)

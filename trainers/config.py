@@ -69,7 +69,8 @@ class RunConfig:
     steps: int | None = None           # RL steps; null = ceil(tasks.num_prompts x tasks.epochs / grpo.prompts_per_step)
     out_dir: str = "runs/async_rl/${now:%Y%m%d-%H%M%S}"   # the run directory (must not hold another run)
     heads: str = "shipped"             # draft heads: `shipped` (the package's, or `mtp-rollout train-heads`' cached
-                                       # ones), `init` (copy of the last policy layer, untrained) or a checkpoint path
+                                       # ones), `init` (copy of the last policy layer, untrained), a checkpoint path
+                                       # or an EAGLE-3 drafter directory (with accelerator.num_depths=1)
     trainer_threads: int = 1           # torch threads of the GRPO update in the driver
     progress: bool = True              # tqdm progress line per step
     seed: int = 0                      # seed of the policy update, sampling and tiny models

@@ -4,7 +4,8 @@ killed or interrupted run from its last intact checkpoint with every step logged
     <out_dir>/checkpoints/step-000004/
         trainer.pt            trained policy tensors after step 4 (version 5), the tensors of version 4
                               (which generate step 5's rollouts, one step off-policy), AdamW state
-        heads.pt              the heads the workers ran and their version
+        heads.pt              the heads the workers ran and their version (an EAGLE-3 drafter: its version)
+        eagle3/               an EAGLE-3 drafter the workers ran, in vLLM's layout (config.json, model.safetensors)
         cotrainer.pt          the head co-trainer's state (heads, optimizer, refresh policy, replay), if any
         monitor_state.json    the monitor's cumulative histograms after step 4
         state.json            written last: step, versions, the byte length of monitor.jsonl and
@@ -28,10 +29,16 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file
 
-from mtp_heads.cotrainer import HEADS_NAME, STATE_NAME
+from mtp_heads.cotrainer import EAGLE3_NAME, HEADS_NAME, STATE_NAME
+from mtp_heads.drafters import DrafterSpec, drafter_from_flat
+from mtp_heads.eagle3_checkpoint import WEIGHTS_FILE, eagle3_files, read_config
+from mtp_heads.eagle3_drafter import Eagle3Heads
+from mtp_heads.heads import MTPHeads
 from rollout.fileio import atomic_write
-from rollout.models.flat_weights import own_storage
+from rollout.models.config import ModelConfig
+from rollout.models.flat_weights import own_storage, pack
 from rollout.run_dir import truncate_to
 
 logger = logging.getLogger(__name__)
@@ -43,6 +50,7 @@ MONITOR_STATE = "monitor_state.json"
 COTRAINER_FILES = (HEADS_NAME, str(Path(HEADS_NAME).with_suffix(".json")), STATE_NAME)
 FORMAT = 2                                    # 1: no file sums (checked by loading the files)
 REQUIRED = ("trainer.pt", "heads.pt")
+EAGLE3_DIR = "eagle3"                         # an EAGLE-3 drafter's directory in a checkpoint
 
 
 
@@ -62,6 +70,17 @@ class Checkpoint:
     head_version: int
     log_bytes: dict[str, int]
 
+    def heads(self, policy_config: ModelConfig, num_depths: int, dtype: str = "float32") -> MTPHeads | Eagle3Heads:
+        """The drafter the workers ran at this checkpoint: MTP heads of `num_depths` depths from heads.pt,
+        or the EAGLE-3 drafter of its directory (checked against the policy like any EAGLE-3 directory)."""
+        saved = self.load("heads.pt")
+        if EAGLE3_DIR in saved:
+            where = self.path / saved[EAGLE3_DIR]
+            spec, tensors = DrafterSpec(eagle3_config=read_config(where)), _load_safetensors(where / WEIGHTS_FILE)
+        else:
+            spec, tensors, where = DrafterSpec(num_depths=num_depths), saved["heads"], self.path / "heads.pt"
+        return drafter_from_flat(policy_config, spec, pack(tensors), dtype, where=str(where))
+
     def load(self, name: str):
         path = self.path / name
         try:
@@ -76,10 +95,30 @@ def _sha256(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
+def heads_files(heads: dict, head_version: int, drafter: DrafterSpec) -> dict[str, bytes]:
+    """heads.pt, and for an EAGLE-3 drafter its directory in vLLM's layout, which alone holds its weights
+    (a resumed run, vLLM or `heads=<checkpoint>/eagle3` load it as it is)."""
+    if drafter.kind == "mtp":
+        return {"heads.pt": _torch_bytes({"heads": heads, "head_version": head_version})}
+    files = eagle3_files(drafter.eagle3_config, heads)
+    return {"heads.pt": _torch_bytes({"head_version": head_version, EAGLE3_DIR: EAGLE3_DIR}),
+            **{f"{EAGLE3_DIR}/{name}": data for name, data in files.items()}}
+
+
+def _load_safetensors(path: Path) -> dict:
+    """A checkpoint's safetensors file; a damaged one is an error naming it."""
+    try:
+        return load_file(str(path))
+    except Exception as e:  # noqa: BLE001 - safetensors raises several types for a damaged file
+        raise ValueError(f"checkpoint file {path} is unreadable ({type(e).__name__}: {e})") from None
+
+
 def save_checkpoint(run_dir: Path, step: int, *, trained: dict, previous: dict, optimizer: dict,
-                    heads: dict, head_version: int, cotrainer: dict | None, keep: int = 2) -> Checkpoint:
+                    heads: dict, head_version: int, cotrainer: dict | None, keep: int = 2,
+                    drafter: DrafterSpec = DrafterSpec()) -> Checkpoint:
     """Write step `step`'s checkpoint (see module docstring), verify it, then delete all but the
-    newest `keep` (and any left from steps after this one by an earlier, rewound attempt)."""
+    newest `keep` (and any left from steps after this one by an earlier, rewound attempt). `drafter`
+    says what `heads` holds (accel.drafter_spec): MTP heads' tensors or an EAGLE-3 drafter's."""
     if keep < 1:
         raise ValueError(f"keep_checkpoints must be >= 1, got {keep}")
     root = run_dir / CHECKPOINTS
@@ -88,7 +127,7 @@ def save_checkpoint(run_dir: Path, step: int, *, trained: dict, previous: dict, 
         shutil.rmtree(path)
     path.mkdir(parents=True)
     contents = {"trainer.pt": _torch_bytes({"trained": trained, "previous": previous, "optimizer": optimizer}),
-                "heads.pt": _torch_bytes({"heads": heads, "head_version": head_version})}
+                **heads_files(heads, head_version, drafter)}
     if cotrainer is not None:
         contents["cotrainer.pt"] = _torch_bytes(cotrainer)
     if (run_dir / MONITOR_STATE).exists():
@@ -230,6 +269,7 @@ def rewind_run_dir(run_dir: Path, ckpt: Checkpoint | None, cotrainer_dir: str | 
     if cotrainer_dir:
         for name in COTRAINER_FILES:
             (Path(cotrainer_dir) / name).unlink(missing_ok=True)
+        shutil.rmtree(Path(cotrainer_dir) / EAGLE3_NAME, ignore_errors=True)
     for stale in ("summary.csv",):     # rewritten from the cut logs
         (run_dir / stale).unlink(missing_ok=True)
     return dropped

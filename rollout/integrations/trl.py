@@ -29,7 +29,7 @@ off_policy_mask_threshold and warned about otherwise.
 
 Resume: TRL's own checkpoints carry the trained side (weights, optimizer, RNG, data position).
 `on_save` adds the rollout side to each checkpoint-<step> folder (ROLLOUT_STATE: the heads the
-workers run and their version, the co-trainer's state, the monitor log's length, the rollout seed
+workers run, their version and DrafterSpec, the co-trainer's state, the monitor log's length, the rollout seed
 counter); with `trainer.train(resume_from_checkpoint=...)`, `on_train_begin` sends the workers the
 restored policy and gives the co-trainer its state back. Build the accelerator of a resumed run
 after `restore_run_files` (monitor files cut back to the checkpoint) with the saved heads.
@@ -45,6 +45,7 @@ import io
 import logging
 import math
 import os
+import shutil
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -55,7 +56,7 @@ import ray
 import torch
 from transformers import TrainerCallback
 
-from mtp_heads.cotrainer import HEADS_NAME, STATE_NAME
+from mtp_heads.cotrainer import EAGLE3_NAME, HEADS_NAME, STATE_NAME
 from rollout.accelerator import RolloutAccelerator
 from rollout.fileio import atomic_write
 from rollout.models.flat_weights import own_storage
@@ -350,7 +351,8 @@ def save_rollout_state(ckpt: Path, accel: RolloutAccelerator, *, calls: int, glo
     mon = Path(accel.monitor.out_dir)
     jsonl, mstate = mon / AcceptanceMonitor.JSONL, mon / AcceptanceMonitor.STATE
     state = {"global_step": global_step, "calls": calls, "heads": heads, "head_version": head_version,
-             "cotrainer": cotrainer, "monitor_bytes": jsonl.stat().st_size if jsonl.exists() else 0,
+             "drafter": accel.drafter_spec.to_dict(), "cotrainer": cotrainer,
+             "monitor_bytes": jsonl.stat().st_size if jsonl.exists() else 0,
              "monitor_state": mstate.read_bytes() if mstate.exists() else None}
     buf = io.BytesIO()
     torch.save(own_storage(state), buf)
@@ -397,3 +399,4 @@ def restore_run_files(saved: dict | None, monitor_dir: str | os.PathLike, cotrai
     if cotrainer_dir:
         for name in (HEADS_NAME, str(Path(HEADS_NAME).with_suffix(".json")), STATE_NAME):
             (Path(cotrainer_dir) / name).unlink(missing_ok=True)
+        shutil.rmtree(Path(cotrainer_dir) / EAGLE3_NAME, ignore_errors=True)
