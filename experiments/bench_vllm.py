@@ -5,7 +5,8 @@
 
 One process tree: for every setting (dtype x torch threads) the parent starts one child process per
 engine (our torch engine, which serves plain and speculative calls; vLLM plain; vLLM speculative
-with our heads as its drafter). Children wait on a pipe, so only one engine computes at a time.
+with our heads as its drafter, or, when `heads` is an EAGLE-3 directory, with vLLM's own eagle3
+method). Children wait on a pipe, so only one engine computes at a time.
 Each repeat runs every (batch size, engine variant) once with the same prompts and seed, in an
 order rotated per repeat; the repeats rotate through the prompt list, so batch 1 is not one prompt.
 Reported: median tokens/s, the median of the per-repeat ratios, and acceptance (rate, tau,
@@ -28,6 +29,7 @@ import sys
 import time
 import traceback
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 from experiments.common import batch_of, cpu_name
 from rollout.models.loaders import DEFAULT_MODEL
@@ -51,11 +53,12 @@ class AgainstVLLMConfig:
     """One side-by-side benchmark of our engine and vLLM (configs/bench_vllm.yaml)."""
 
     model: str = DEFAULT_MODEL          # named model, .gguf file or HF directory
-    heads: str = "shipped"              # shipped | init | a heads checkpoint path
+    heads: str = "shipped"              # shipped | shipped-eagle3 | init | a heads checkpoint path | an EAGLE-3 directory
     num_depths: int = 1                 # depths of heads=init (vLLM drafts with depth 1 only)
     num_draft_tokens: int = 3           # draft tokens per round of the speculative variants
     draft_mode: str = "rejection"       # greedy | rejection
-    vllm_draft_method: str = "heads"    # vllm-spec drafts with: heads (ours) | ngram | suffix (vLLM's history methods)
+    vllm_draft_method: str = "heads"    # vllm-spec drafts with: heads (ours; an EAGLE-3 `heads` directory drafts
+                                        # with vLLM's eagle3) | eagle3 (needs that directory) | ngram | suffix
     temperature: float = 1.0            # sampling temperature of every engine (0 = greedy)
     max_new_tokens: int = 64            # per completion; EOS ignored so every call emits the same count
     batch_sizes: list[int] = field(default_factory=lambda: [1, 8])            # prompts per generate call
@@ -82,6 +85,26 @@ class AgainstVLLMConfig:
         from rollout.vllm.engine import DRAFT_METHODS
         if self.vllm_draft_method not in DRAFT_METHODS:
             raise ValueError(f"vllm_draft_method must be one of {list(DRAFT_METHODS)}, got {self.vllm_draft_method!r}")
+        if self.vllm_draft_method == "eagle3":
+            vllm_drafter(self.heads, self.vllm_draft_method, self.model)   # names a `heads` that is no EAGLE-3 dir
+
+
+def vllm_drafter(heads: str, vllm_draft_method: str, model: str) -> tuple[str, str | None]:
+    """vLLM's draft_method and drafter_path for a `heads` setting: our drafter plugin computes MTP heads
+    only, so an EAGLE-3 directory drafts with vLLM's built-in eagle3 method; history methods need no drafter."""
+    from mtp_heads.eagle3_checkpoint import CONFIG_FILE, drafter_layout
+    from rollout.vllm.engine import HISTORY_METHODS
+
+    if vllm_draft_method in HISTORY_METHODS:
+        return vllm_draft_method, None
+    from mtp_heads.shipped import drafter_location
+    heads = drafter_location(heads, model)
+    path = None if heads in ("shipped", "init") else Path(heads).expanduser()
+    if path is not None and (path.is_dir() or path.name == CONFIG_FILE) and drafter_layout(path) == "eagle3":
+        return "eagle3", str(path if path.is_dir() else path.parent)
+    if vllm_draft_method == "eagle3":
+        raise ValueError(f"vllm_draft_method=eagle3 needs heads=<an EAGLE-3 directory>, got heads={heads!r}")
+    return "heads", None
 
 
 # --------------------------------------------------------------------------- child processes
@@ -118,9 +141,10 @@ def _child(conn, cfg: AgainstVLLMConfig, kind: str, dtype: str, threads: int, pr
             engine = TorchEngine(policy, heads, config=EngineConfig(compile=cfg.torch_compile))
         else:
             from rollout.vllm import VLLMEngine, VLLMEngineConfig
-            engine = VLLMEngine(policy, heads, config=VLLMEngineConfig(
+            method, drafter_path = vllm_drafter(cfg.heads, cfg.vllm_draft_method, cfg.model)
+            engine = VLLMEngine(policy, heads if method == "heads" else None, config=VLLMEngineConfig(
                 dtype=dtype, enforce_eager=not cfg.vllm_compile, gpu_memory_utilization=cfg.gpu_memory_utilization,
-                draft_method=cfg.vllm_draft_method))
+                draft_method=method, drafter_path=drafter_path))
         conn.send(("ready", heads_desc))
         while True:
             msg = conn.recv()
@@ -239,6 +263,7 @@ def run(cfg: AgainstVLLMConfig) -> dict:
     ctx = mp.get_context("spawn")
     prompts = _chat_prompts(cfg)
     out = dict(config=asdict(cfg), machine=f"{cpu_name()}, {os.cpu_count()} logical CPUs",
+               vllm_drafts=vllm_drafter(cfg.heads, cfg.vllm_draft_method, cfg.model)[0],
                started=dt.datetime.now(dt.timezone.utc).isoformat(),
                settings=[])
     for dtype in cfg.dtypes:
@@ -271,7 +296,7 @@ def append_log(path: str, argv: list[str], result: dict) -> None:
     head = [f"\n## {dt.date.today().isoformat()} — bench-decode --against vllm (commit {commit})\n",
             f"Command: `mtp-rollout bench-decode --against vllm {' '.join(argv)}`  ",
             f"Machine: {result['machine']}; k={cfg['num_draft_tokens']} {cfg['draft_mode']}, vLLM drafts "
-            f"{cfg.get('vllm_draft_method', 'heads')}, T={cfg['temperature']}, "
+            f"{result['vllm_drafts']}, T={cfg['temperature']}, "
             f"{cfg['max_new_tokens']} new tokens, {cfg['repeats']} repeats, vLLM "
             f"{'compiled' if cfg['vllm_compile'] else 'eager'}\n"]
     with open(path, "a") as f:

@@ -1,5 +1,5 @@
 """An EAGLE-3 drafter written by us, run by vLLM's built-in `eagle3` method (no drafter plugin), refreshed
-through vLLM's weight-transfer API with our CPU backend.
+through vLLM's weight-transfer API with our CPU backend (the engine's only refresh path).
 
 What can fail here: every draft vLLM proposes (read per step from the model runner) is compared with our
 reference drafting function (mtp_heads.eagle3.draft_greedy) on the prefix committed at that step, at every
@@ -152,7 +152,7 @@ def engine(policy, drafter, tmp_path_factory):
     path = save_eagle3(tmp_path_factory.mktemp("eagle3"), drafter)
     eng = VLLMEngine(copy.deepcopy(policy), config=VLLMEngineConfig(
         work_dir=str(tmp_path_factory.mktemp("vllm")), max_model_len=512, draft_method="eagle3",
-        drafter_path=str(path), weight_transfer="mtp_rollout_shm"))
+        drafter_path=str(path)))
     yield eng
     eng.close()
 
@@ -200,10 +200,8 @@ def test_backend_is_registered_through_the_plugin_entry_point():
     from vllm.distributed.weight_transfer import WeightTransferEngineFactory, WeightTransferTrainerFactory
 
     from rollout.vllm.drafter import register
-    from rollout.vllm.engine import WEIGHT_TRANSFER_BACKEND
     from rollout.vllm.weight_transfer import BACKEND, ShmTrainerEngine, ShmWeightTransferEngine
 
-    assert WEIGHT_TRANSFER_BACKEND == BACKEND
     register()
     register()                                                        # idempotent
     assert WeightTransferEngineFactory._registry[BACKEND]() is ShmWeightTransferEngine
@@ -215,8 +213,6 @@ def test_eagle3_settings_and_a_drafter_of_another_policy_are_refused_before_vllm
 
     with pytest.raises(ValueError, match="drafter_path is needed by draft_method='eagle3'"):
         VLLMEngineConfig(draft_method="eagle3")
-    with pytest.raises(ValueError, match="weight_transfer must be None or 'mtp_rollout_shm'.*'nccl'"):
-        VLLMEngineConfig(weight_transfer="nccl")
     assert VLLMEngineConfig(draft_method="eagle3", drafter_path="d").speculative_config(3, "greedy", "d") == {
         "method": "eagle3", "num_speculative_tokens": 3, "model": "d", "draft_sample_method": "greedy"}
     path = save_eagle3(tmp_path / "d", drafter)

