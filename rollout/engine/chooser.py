@@ -85,6 +85,7 @@ class DraftChooser:
         self.rounds_without_heads = 0
         self.rounds_without_history = 0
         self._plain_round = False                  # head_steps() decided this round times a plain round
+        self._history_options: tuple | None = None   # (view, tau, per-row options) head_steps() computed
         self.margin: dict[int, float] = {}         # bucket -> factor drafting must promise over plain
         self._returns: dict[int, tuple[float, float]] = {}   # bucket -> decayed (tokens made, plain's tokens)
 
@@ -95,7 +96,11 @@ class DraftChooser:
         return self.margin.get(bucket, 1.0) * b * active / self.costs.plain_seconds(bucket)
 
     def _history_option(self, view: RowView, b: int, tau: float) -> tuple[int, np.ndarray, float]:
-        """(drafts kept, their predicted acceptances, expected tokens) of row b's history draft."""
+        """(drafts kept, their predicted acceptances, expected tokens) of row b's history draft; what
+        head_steps() computed for this round is reused by assign() (host time is round time)."""
+        cached = self._history_options
+        if cached is not None and cached[0] is view and cached[1] == tau and b in cached[2]:
+            return cached[2][b]
         if not self.use_history or not view.history_tokens or not view.history_tokens[b]:
             return 0, np.zeros(0), 0.0
         cond = view.history_cond[b][:self.k_max]
@@ -119,6 +124,7 @@ class DraftChooser:
             return 1
         tau = self.threshold(bucket, active.size)
         hist = [self._history_option(view, int(b), tau) for b in active]
+        self._history_options = (view, tau, dict(zip(active.tolist(), hist)))
         reach_all = np.cumprod(self._heads_levels(self.k_max))
         best_h, best_rate = 0, None
         for h in range(self.k_max + 1):
@@ -187,6 +193,7 @@ class DraftChooser:
         self.rounds_without_history = (0 if (source == HISTORY).any() or not self.use_history
                                        else self.rounds_without_history + 1)
         reason = "probe" if probe else "probe_history" if probe_history else "chosen"
+        self._history_options = None
         return RoundPlan(head_steps, source, num, predicted, features, reason)
 
     def _round_pays(self, bucket: int, active: int, head_steps: int, expected: float, drafts: int) -> bool:

@@ -21,6 +21,7 @@ observed, so a badly ranked feature costs accuracy of the ranking only, not of t
 """
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections import defaultdict
 from dataclasses import dataclass
 
@@ -79,8 +80,10 @@ class AcceptancePredictor:
     def predict(self, source: int, features: np.ndarray, entropy: float, match: int = 0) -> np.ndarray:
         """Conditional acceptance per chain position for one row: features [n] (feature of the
         token at position j+1) -> [n]."""
-        fb, eb, mb = feature_bin(features), int(entropy_bin(entropy)), int(match_bin(match))
-        return np.array([self.estimate(source, j + 1, int(fb[j]), eb, mb) for j in range(len(fb))])
+        # the chooser asks this for every row and round: bins of a few scalars by bisect, not numpy
+        eb, mb = bisect_left(ENTROPY_BINS, float(entropy)), bisect_left(MATCH_BINS, float(match))
+        return np.array([self.estimate(source, j + 1, bisect_left(FEATURE_BINS, f), eb, mb)
+                         for j, f in enumerate(np.asarray(features, dtype=np.float64).tolist())])
 
     def predict_marginal(self, source: int, position: int) -> float:
         """Acceptance at `position` before the features are known (heads before drafting): the
