@@ -138,8 +138,10 @@ class Eagle3Drafter(nn.Module):
 
     # ------------------------------------------------------------------ forward pieces
     def embed(self, policy: CausalLM, tokens: torch.Tensor) -> torch.Tensor:
-        # tokens [B, T] -> [B, T, d]
-        return (policy.model.embed_tokens if self.embed_tokens is None else self.embed_tokens)(tokens)
+        """tokens [B, T] -> [B, T, d] in the drafter's dtype (a co-trainer's float32 drafter reads a bf16
+        policy copy's embedding)."""
+        out = (policy.model.embed_tokens if self.embed_tokens is None else self.embed_tokens)(tokens)
+        return out.to(self.fc.weight.dtype)
 
     def prenorm(self, policy: CausalLM, tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
                 cache: Cache | None) -> torch.Tensor:
