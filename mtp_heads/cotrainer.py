@@ -18,6 +18,7 @@ import copy
 import logging
 import os
 import random
+import shutil
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -43,6 +44,15 @@ logger = logging.getLogger(__name__)
 HEADS_NAME = "heads_latest.safetensors"   # mtp_heads.checkpoint format: usable as heads_path
 STATE_NAME = "cotrainer_state.pt"          # optimizer, refresh-policy state, history
 EAGLE3_NAME = "eagle3_latest"              # an EAGLE-3 drafter's checkpoint directory (vLLM's layout)
+
+
+def remove_checkpoint(checkpoint_dir: str | os.PathLike) -> None:
+    """Delete a co-trainer's checkpoint (either drafter kind), so that a run rewound to an earlier step
+    does not resume it from a later one."""
+    d = Path(checkpoint_dir)
+    for name in (HEADS_NAME, str(Path(HEADS_NAME).with_suffix(".json")), STATE_NAME):
+        (d / name).unlink(missing_ok=True)
+    shutil.rmtree(d / EAGLE3_NAME, ignore_errors=True)
 
 
 @dataclass(frozen=True)

@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from mtp_heads.cotrainer import EAGLE3_NAME, HEADS_NAME, STATE_NAME
+from mtp_heads.cotrainer import remove_checkpoint
 from mtp_heads.drafters import DrafterSpec, drafter_from_flat
 from mtp_heads.eagle3_checkpoint import WEIGHTS_FILE, eagle3_files, read_config
 from mtp_heads.eagle3_drafter import Eagle3Heads
@@ -47,7 +47,6 @@ CHECKPOINTS = "checkpoints"
 STATE = "state.json"
 LOGS = ("monitor.jsonl", "rl.jsonl")           # append-only logs, cut back to the checkpoint on resume
 MONITOR_STATE = "monitor_state.json"
-COTRAINER_FILES = (HEADS_NAME, str(Path(HEADS_NAME).with_suffix(".json")), STATE_NAME)
 FORMAT = 2                                    # 1: no file sums (checked by loading the files)
 REQUIRED = ("trainer.pt", "heads.pt")
 EAGLE3_DIR = "eagle3"                         # an EAGLE-3 drafter's directory in a checkpoint
@@ -267,9 +266,7 @@ def rewind_run_dir(run_dir: Path, ckpt: Checkpoint | None, cotrainer_dir: str | 
     else:
         (run_dir / MONITOR_STATE).unlink(missing_ok=True)
     if cotrainer_dir:
-        for name in COTRAINER_FILES:
-            (Path(cotrainer_dir) / name).unlink(missing_ok=True)
-        shutil.rmtree(Path(cotrainer_dir) / EAGLE3_NAME, ignore_errors=True)
+        remove_checkpoint(cotrainer_dir)
     for stale in ("summary.csv",):     # rewritten from the cut logs
         (run_dir / stale).unlink(missing_ok=True)
     return dropped

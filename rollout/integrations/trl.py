@@ -45,7 +45,6 @@ import io
 import logging
 import math
 import os
-import shutil
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -56,7 +55,7 @@ import ray
 import torch
 from transformers import TrainerCallback
 
-from mtp_heads.cotrainer import EAGLE3_NAME, HEADS_NAME, STATE_NAME
+from mtp_heads.cotrainer import remove_checkpoint
 from rollout.accelerator import RolloutAccelerator
 from rollout.fileio import atomic_write
 from rollout.models.flat_weights import own_storage
@@ -397,6 +396,4 @@ def restore_run_files(saved: dict | None, monitor_dir: str | os.PathLike, cotrai
     else:
         (mon / AcceptanceMonitor.STATE).unlink(missing_ok=True)
     if cotrainer_dir:
-        for name in (HEADS_NAME, str(Path(HEADS_NAME).with_suffix(".json")), STATE_NAME):
-            (Path(cotrainer_dir) / name).unlink(missing_ok=True)
-        shutil.rmtree(Path(cotrainer_dir) / EAGLE3_NAME, ignore_errors=True)
+        remove_checkpoint(cotrainer_dir)
