@@ -31,6 +31,7 @@ import torch
 from experiments.common import check_device, machine
 from rollout.config_loader import config_help, load_config, packaged_config, wants_help
 from rollout.engine.config import EngineConfig
+from rollout.engine.forwards import compiles
 from rollout.engine.round import PHASES
 from rollout.models.decoder import CausalLM
 from rollout.models.dtypes import dtype_name
@@ -242,8 +243,7 @@ def main(argv: list[str] | None = None) -> int:
     policy, loaded = load_policy(cfg.model, cfg.dtype, cfg.device)
     heads, heads_desc = resolve_heads(policy, cfg.heads, model=cfg.model, num_depths=cfg.num_depths)
     batches = workload(cfg, lambda text: apply_chat_template(loaded, [{"role": "user", "content": text}]))
-    compiled = cfg.compile if cfg.compile is not None else cfg.device != "cpu"
-    label = f"{dtype_name(cfg.dtype, cfg.device)}{' compiled' if compiled else ''}"
+    label = f"{dtype_name(cfg.dtype, cfg.device)}{' compiled' if compiles(policy, cfg.compile) else ''}"
     print(f"{cfg.model} {label}  heads: {heads_desc}  k <= {cfg.num_draft_tokens}  machine: {machine()}", flush=True)
     rows = bench(policy, heads, cfg, batches, label)
     print(f"machine at the end: {machine()}")

@@ -41,7 +41,7 @@ def shipped_eagle3_path(model_spec: str) -> Path:
     if name is None or not (SHIPPED_DIR / name).is_dir():
         raise ValueError(f"heads={SHIPPED_EAGLE3_NAME}: the package ships no EAGLE-3 drafter for model {model_spec!r} "
                          f"(it ships one for {sorted(SHIPPED_EAGLE3)}); train one with `mtp-rollout train-heads "
-                         f"eagle3_smollm2 model={model_spec}` and pass heads=<its eagle3 directory>")
+                         f"train_heads train.drafter=eagle3 model={model_spec}` and pass heads=<its eagle3 directory>")
     return SHIPPED_DIR / name
 
 

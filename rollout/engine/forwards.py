@@ -30,6 +30,15 @@ def _configure_dynamo() -> None:
             setattr(torch._dynamo.config, name, max(getattr(torch._dynamo.config, name), 256))
 
 
+def compiles(policy: CausalLM, compile: bool | None) -> bool:
+    """Whether an engine compiles its forwards: `compile`, or for None (auto) only on a GPU and only for
+    models of AUTO_COMPILE_MIN_PARAMS or more (on CPU eager was faster: EngineConfig.compile)."""
+    if compile is not None:
+        return bool(compile)
+    device = policy.model.embed_tokens.weight.device
+    return device.type == "cuda" and sum(p.numel() for p in policy.parameters()) >= AUTO_COMPILE_MIN_PARAMS
+
+
 class Forwards:
     """target(tokens, start, cache) -> hidden and head(j, ...) -> hidden, compiled or eager.
 
@@ -40,10 +49,7 @@ class Forwards:
     def __init__(self, policy: CausalLM, heads: MTPHeads | None, compile: bool | None):
         self.policy, self.heads = policy, heads
         self.device = policy.model.embed_tokens.weight.device
-        if compile is None:   # auto: GPUs only (on CPU eager was faster: EngineConfig.compile)
-            compile = (self.device.type == "cuda"
-                       and sum(p.numel() for p in policy.parameters()) >= AUTO_COMPILE_MIN_PARAMS)
-        self.compiled = bool(compile)
+        self.compiled = compiles(policy, compile)
         self.compile_times: dict[tuple, float] = {}  # (graph, shapes) -> seconds of its first call
         self.aux_states: torch.Tensor | None = None   # of the last target forward that asked for aux layers
         if self.compiled:   # eager calls the modules on the real caches (target, head)
