@@ -133,8 +133,10 @@ class TorchEngine:
                     chooser.observe(view, r.plan, r.num_accepted.cpu().numpy())
                     if self.forwards.compile_time_s == compile_s:      # a round that compiled is no cost sample
                         seconds = clock() - t_round
-                        chooser.costs.observe(st.batch, r.verified_tokens, r.plan.head_steps, seconds)
-                        chooser.settle(st.batch, r.plan, int(view.active.sum()), int(count.sum()), seconds)
+                        context = float(before.cpu().numpy()[view.active].mean()) if view.active.any() else 0.0
+                        chooser.costs.observe(st.batch, r.verified_tokens, r.plan.head_steps, seconds, context)
+                        chooser.settle(st.batch, r.plan, int(view.active.sum()), int(count.sum()),
+                                       seconds / chooser.costs.context_factor(st.batch, context))
                 if history is not None:
                     out = r.emitted.cpu().numpy()
                     for slot in np.flatnonzero(count > 0):
@@ -157,8 +159,10 @@ class TorchEngine:
             # priced on the cost clock, as the rounds were, then scaled to this call's wall time: the same
             # share of the machine is assumed for the plain decoding that did not run. The prefill's first
             # token is every row's; the rest take rounds.
-            plain_cost = prefill_cost + chooser.costs.plain_decode_seconds(
-                [max(0, len(c.tokens) - 1) for c in batch.completions], self.config.batch_buckets)
+            lengths = [max(0, len(c.tokens) - 1) for c in batch.completions]
+            context = float(np.mean([len(p) + n / 2 for p, n in zip(prompts, lengths)]))
+            plain_cost = prefill_cost + chooser.costs.plain_decode_seconds(lengths, self.config.batch_buckets,
+                                                                           context)
             batch.plain_estimate_s = batch.wall_time_s * plain_cost / call_cost
         return batch
 

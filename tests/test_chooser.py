@@ -76,6 +76,27 @@ def test_cost_model_recovers_its_coefficients_and_falls_back_to_the_prior():
     assert costs.seconds(16, 32, 0) > costs.seconds(16, 16, 0)
 
 
+def test_cost_model_prices_rounds_at_a_common_context():
+    """Rounds get dearer as the context grows; plain rounds' seconds against their context give kappa, and
+    drafting rounds measured at any context are priced at context 0 (their coefficients recovered)."""
+    costs = RoundCostModel(halflife=1e9)
+    rng = np.random.default_rng(2)
+    grow = lambda ctx: 1.0 + 0.8 * ctx / 1000   # noqa: E731  (a round at 500 tokens costs 1.4x one at 0)
+    for _ in range(400):
+        ctx = float(rng.uniform(50, 500))
+        costs.observe(8, 8, 0, 0.04 * grow(ctx), ctx)
+        n, h = int(rng.integers(9, 40)), int(rng.integers(0, 4))
+        costs.observe(8, n, h, (0.05 + 0.002 * n + 0.006 * h) * grow(ctx), ctx)
+    assert costs.context_factor(8, 500) == pytest.approx(1.4, rel=0.02)
+    assert costs.plain_seconds(8) == pytest.approx(0.04, rel=0.03)
+    a, b, c = costs.coefficients(8)
+    assert a == pytest.approx(0.05, rel=0.1) and b == pytest.approx(0.002, rel=0.1) and c == pytest.approx(0.006, rel=0.15)
+    flat = RoundCostModel()                     # plain rounds at one context only: no slope is made up
+    for _ in range(50):
+        flat.observe(8, 8, 0, 0.04, 100.0)
+    assert flat.context_factor(8, 1000) == pytest.approx(1.0, abs=0.01)
+
+
 def _view(B, entropy=1.0, history=None):
     view = RowView(active=np.ones(B, bool), entropy=np.full(B, entropy), row_ids=np.arange(B))
     if history is not None:
@@ -123,14 +144,43 @@ def test_heads_unverified_for_probe_every_rounds_are_probed():
     chooser = DraftChooser(3, ("heads",), costs=_plain_costs(), probe_every=5)
     _train(chooser, HEADS, 0.0)
     view = _view(8)
-    steps = []
-    for _ in range(12):
-        h = chooser.head_steps(8, view)
-        steps.append(h)
-        chooser.assign(8, view, h, np.full((8, h), 0.5) if h else None)
-    assert steps.count(1) == 2 and steps[5] == 1 and set(steps) == {0, 1}
-    chooser.heads_changed()                                   # new weights: verified at once
-    assert chooser.head_steps(8, view) == 1
+    def probes(rounds):
+        steps = []
+        for _ in range(rounds):
+            h = chooser.head_steps(8, view)
+            steps.append(h)
+            chooser.assign(8, view, h, np.full((8, h), 0.5) if h else None)
+        assert set(steps) <= {0, 1}
+        return [i for i, h in enumerate(steps) if h]
+    # probes that find nothing worth choosing wait twice as long each time, up to 8 x probe_every
+    assert probes(120) == [5, 16, 37, 78, 119]
+    chooser.heads_changed()                                   # new weights: verified at once, the wait reset
+    assert probes(12) == [0, 11]
+
+
+def test_head_steps_whose_drafts_are_not_worth_verifying_stop_being_run():
+    """The heads' level at position 1 says a head step pays, but each row's own feature says its draft is
+    not worth verifying: after a few such rounds, head_steps() prices head steps on what they returned
+    (nothing) and runs none until the next probe; rows whose features are worth it keep them running."""
+    def trained():
+        chooser = DraftChooser(1, ("heads",), costs=_plain_costs(), probe_every=1000)
+        for _ in range(400):     # confident drafts (feature 0.95) always accepted, unconfident (0.05) never
+            chooser.predictor.observe(HEADS, np.array([0.95]), 1.0, 0, 1, 1)
+            chooser.predictor.observe(HEADS, np.array([0.05]), 1.0, 0, 1, 0)
+        return chooser
+    view = _view(8)
+    for feature, runs in ((0.05, False), (0.95, True)):
+        chooser = trained()
+        assert chooser.predictor.predict_marginal(HEADS, 1) == pytest.approx(0.5, abs=0.05)
+        steps, drafted = [], []
+        for _ in range(12):
+            h = chooser.head_steps(8, view)
+            plan = chooser.assign(8, view, h, np.full((8, h), feature) if h else None)
+            steps.append(h), drafted.append(int(plan.num_drafts.sum()))
+        if runs:
+            assert steps == [1] * 12 and min(drafted) == 8
+        else:
+            assert steps[0] == 1 and sum(drafted) == 0 and steps[-6:] == [0] * 6, steps
 
 
 def test_what_is_verified_at_position_j_never_depends_on_what_was_drafted_after_it():
@@ -170,9 +220,9 @@ def test_history_unverified_for_probe_every_rounds_is_probed():
     chooser = DraftChooser(3, ("history",), costs=_plain_costs(), probe_every=4)
     _train(chooser, HISTORY, 0.0)
     view = _view(8, history=[[1, 2, 3]] * 8)
-    reasons = [chooser.assign(8, view, 0, None).reason for _ in range(10)]
-    assert reasons.count("probe_history") == 2 and reasons[4] == "probe_history"
-    probe = [p for p in (chooser.assign(8, view, 0, None) for _ in range(5)) if p.reason == "probe_history"][0]
+    plans = [chooser.assign(8, view, 0, None) for _ in range(20)]
+    assert [i for i, p in enumerate(plans) if p.reason == "probe_history"] == [4, 13]   # the wait doubles
+    probe = plans[4]
     assert (probe.source == HISTORY).all() and (probe.num_drafts >= 1).all()
 
 

@@ -13,7 +13,11 @@ position j was drafted (the distribution it came from, never the sampled token, 
 after it), which keeps verification lossless (see rollout.engine.predictor).
 
 Head steps run for the whole batch, so their number h is chosen once per round before drafting, as
-the h with the most expected tokens per modelled second under the predictor's per-position levels.
+the h with the most expected tokens per modelled second: at first under the predictor's per-position
+levels, then on what recent rounds with h head steps returned per row (the expected tokens of the head
+drafts verified, rows whose drafts were not worth it counting zero). The levels alone assume every row
+drafts at the average level; when rows' own features split around the threshold, many rounds ran the
+head steps and then verified nothing, each dearer than a plain round.
 Every `probe_every` drafting rounds one round runs plain, so that the plain price stays measured.
 
 What drafting rounds actually returned closes the loop (`settle`): per bucket, the tokens they made
@@ -27,7 +31,9 @@ Rows whose history draft is worth more than the heads' take the history draft. W
 not been verified for `probe_every` rounds (it looked not worth it), one round verifies it anyway:
 one head token per row, or the history drafts of the rows that have one. Estimates that are never
 tested cannot recover: improved heads (a co-trainer refresh), or history once the policy's
-entropy falls and its rollouts repeat.
+entropy falls and its rollouts repeat. A probe costs more than a plain round, so while probes of a
+source are not followed by rounds that choose it, the wait before its next probe doubles (up to
+PROBE_BACKOFF_MAX times `probe_every`); a round that chooses it, or new head weights, resets it.
 """
 from __future__ import annotations
 
@@ -44,6 +50,9 @@ NONE = -1
 MARGIN_STEP = 0.05          # log-margin change per drafting round per unit of shortfall
 MARGIN_MAX = 2.0
 RETURNS_HALFLIFE = 32.0     # drafting rounds
+HEAD_ROUNDS_HALFLIFE = 32.0  # rounds with head steps
+HEAD_ROUNDS_MIN = 4.0        # such rounds before their record replaces the per-position levels
+PROBE_BACKOFF_MAX = 8        # the longest wait between probes of a source, in units of probe_every
 
 
 @dataclass
@@ -84,8 +93,11 @@ class DraftChooser:
         self.probe_every = probe_every
         self.rounds_without_heads = 0
         self.rounds_without_history = 0
+        self.probe_wait = {HEADS: probe_every, HISTORY: probe_every}   # rounds without a source before its probe
         self._plain_round = False                  # head_steps() decided this round times a plain round
         self._history_options: tuple | None = None   # (view, tau, per-row options) head_steps() computed
+        self._head_rounds: dict[tuple[int, int], tuple[float, float, float]] = {}   # (bucket, h) -> decayed
+                                                   # (rounds, head tokens expected per row, head drafts per row)
         self.margin: dict[int, float] = {}         # bucket -> factor drafting must promise over plain
         self._returns: dict[int, tuple[float, float]] = {}   # bucket -> decayed (tokens made, plain's tokens)
 
@@ -120,7 +132,7 @@ class DraftChooser:
         self._plain_round = active.size > 0 and self.costs.plain_due(bucket, self.probe_every)
         if not self.use_heads or self.k_max == 0 or active.size == 0 or self._plain_round:
             return 0
-        if self.rounds_without_heads >= self.probe_every:
+        if self.rounds_without_heads >= self.probe_wait[HEADS]:
             return 1
         tau = self.threshold(bucket, active.size)
         hist = [self._history_option(view, int(b), tau) for b in active]
@@ -132,6 +144,9 @@ class DraftChooser:
             reach = reach_all[:h]
             n_head = int((reach >= tau).sum())                    # levels decrease along the chain
             e_head = float(reach[:n_head].sum())
+            realized = self._heads_per_row(bucket, h) if h else None
+            if realized is not None:    # what such rounds returned, rows below the threshold included
+                e_head, n_head = realized
             for n_hist, _, e_hist in hist:
                 if e_head > e_hist:
                     tokens, verified = tokens + e_head, verified + n_head
@@ -147,25 +162,21 @@ class DraftChooser:
         """Per row: source and drafts kept. head_feature [B, head_steps]: the max probability of
         the heads' distribution at each drafted position (None without head steps)."""
         B = view.active.shape[0]
-        source, num = np.full(B, NONE), np.zeros(B, dtype=np.int64)
-        predicted, features = [np.zeros(0)] * B, [np.zeros(0)] * B
         if self._plain_round and head_steps == 0:
             self._plain_round = False
-            return RoundPlan(0, source, num, predicted, features, "plain")
+            return RoundPlan(0, np.full(B, NONE), np.zeros(B, dtype=np.int64), [np.zeros(0)] * B,
+                             [np.zeros(0)] * B, "plain")
         active = np.flatnonzero(view.active)
-        expected = np.zeros(B)                    # per row: tokens its kept drafts are expected to add
-        probe = head_steps > 0 and self.rounds_without_heads >= self.probe_every
-        probe_history = (not probe and self.use_history and self.rounds_without_history >= self.probe_every
+        probe = head_steps > 0 and self.rounds_without_heads >= self.probe_wait[HEADS]
+        probe_history = (not probe and self.use_history and self.rounds_without_history >= self.probe_wait[HISTORY]
                          and bool(view.history_tokens) and any(view.history_tokens[int(b)] for b in active))
         tau = self.threshold(bucket, max(active.size, 1))
         levels = self._heads_levels(head_steps)
-        for b in active:
-            b = int(b)
-            n_hist, acc_hist, e_hist = self._history_option(view, b, tau)
+        options = {}                              # row -> (history option, heads option)
+        for b in active.tolist():
             n_head, acc_head, e_head = 0, np.zeros(0), 0.0
             if head_steps:
-                entropy = float(view.entropy[b])
-                acc_head = self.predictor.predict(HEADS, head_feature[b], entropy)
+                acc_head = self.predictor.predict(HEADS, head_feature[b], float(view.entropy[b]))
                 reach = np.cumprod(acc_head)
                 n_head = int(np.argmin(reach >= tau)) if (reach < tau).any() else head_steps
                 # the source is chosen on what was known before the first head token was drawn (its
@@ -173,28 +184,73 @@ class DraftChooser:
                 # drafted from it
                 before = np.cumprod(np.concatenate([acc_head[:1], levels[1:]]))
                 e_head = float(before[:int(np.argmin(before >= tau)) if (before < tau).any() else head_steps].sum())
+            options[b] = (self._history_option(view, b, tau), (n_head, acc_head, e_head))
+        plan, expected = self._plan(B, view, head_steps, head_feature, options)
+        if plan.num_drafts.any() and not self._round_pays(bucket, active.size, head_steps, float(expected.sum()),
+                                                          int(plan.num_drafts.sum())):
+            plan, expected = self._plan(B, view, head_steps, head_feature, {})
+        if head_steps:       # what head steps bought: head_steps() prices the next rounds' on it
+            heads = plan.source == HEADS
+            self._record_head_round(bucket, head_steps, active.size, float(expected[heads].sum()),
+                                    int(plan.num_drafts[heads].sum()))
+        if probe or probe_history:   # verify the source anyway (its estimates are otherwise never tested)
+            forced = {}
+            for b, ((n_hist, acc_hist, e_hist), (n_head, acc_head, e_head)) in options.items():
                 if probe:
                     n_head, e_head = max(n_head, 1), max(e_head, float(acc_head[0]))
-            if probe_history and view.history_tokens[b]:
-                n_hist = max(n_hist, 1)
-                acc_hist = self.predictor.predict(HISTORY, view.history_cond[b][:n_hist], float(view.entropy[b]),
-                                                  int(view.history_match[b]))
-            if n_head and e_head > 0 and (e_head >= e_hist or probe) and not (probe_history and n_hist):
+                elif view.history_tokens[b]:
+                    n_hist = max(n_hist, 1)
+                    acc_hist = self.predictor.predict(HISTORY, view.history_cond[b][:n_hist], float(view.entropy[b]),
+                                                      int(view.history_match[b]))
+                    n_head = 0
+                forced[b] = ((n_hist, acc_hist, e_hist), (n_head, acc_head, e_head))
+            plan, _ = self._plan(B, view, head_steps, head_feature, forced, prefer_heads=probe)
+        for source, probed in ((HEADS, probe), (HISTORY, probe_history)):
+            if probed:
+                self.probe_wait[source] = min(2 * self.probe_wait[source], PROBE_BACKOFF_MAX * self.probe_every)
+            elif (plan.source == source).any():
+                self.probe_wait[source] = self.probe_every
+        self.rounds_without_heads = (0 if (plan.source == HEADS).any() or not self.use_heads
+                                     else self.rounds_without_heads + 1)
+        self.rounds_without_history = (0 if (plan.source == HISTORY).any() or not self.use_history
+                                       else self.rounds_without_history + 1)
+        plan.reason = "probe" if probe else "probe_history" if probe_history else "chosen"
+        self._history_options = None
+        return plan
+
+    @staticmethod
+    def _plan(B: int, view: RowView, head_steps: int, head_feature: np.ndarray | None, options: dict,
+              prefer_heads: bool = False) -> tuple[RoundPlan, np.ndarray]:
+        """Each row's better option (rows without one, or absent from `options`, draft nothing), and
+        the tokens each row's drafts are expected to add [B]."""
+        source, num = np.full(B, NONE), np.zeros(B, dtype=np.int64)
+        predicted, features = [np.zeros(0)] * B, [np.zeros(0)] * B
+        expected = np.zeros(B)
+        for b, ((n_hist, acc_hist, e_hist), (n_head, acc_head, e_head)) in options.items():
+            if n_head and e_head > 0 and (e_head >= e_hist or prefer_heads):
                 source[b], num[b], predicted[b] = HEADS, n_head, acc_head[:n_head]
                 features[b], expected[b] = head_feature[b][:n_head], e_head
             elif n_hist:
                 source[b], num[b], predicted[b] = HISTORY, n_hist, acc_hist
                 features[b], expected[b] = view.history_cond[b][:n_hist], e_hist
-        if not (probe or probe_history) and num.any() and not self._round_pays(bucket, active.size, head_steps,
-                                                                                float(expected.sum()), int(num.sum())):
-            source[:], num[:] = NONE, 0
-            predicted, features = [np.zeros(0)] * B, [np.zeros(0)] * B
-        self.rounds_without_heads = 0 if (source == HEADS).any() or not self.use_heads else self.rounds_without_heads + 1
-        self.rounds_without_history = (0 if (source == HISTORY).any() or not self.use_history
-                                       else self.rounds_without_history + 1)
-        reason = "probe" if probe else "probe_history" if probe_history else "chosen"
-        self._history_options = None
-        return RoundPlan(head_steps, source, num, predicted, features, reason)
+        return RoundPlan(head_steps, source, num, predicted, features), expected
+
+    def _record_head_round(self, bucket: int, h: int, active: int, tokens: float, drafts: int) -> None:
+        """A round that ran h head steps: the tokens its heads drafts were expected to add and how
+        many it verified, per active row, in the plan the chooser would have made without probing
+        (rows whose drafts were not worth verifying count as zero)."""
+        if active == 0:
+            return
+        weight, e, n = self._head_rounds.get((bucket, h), (0.0, 0.0, 0.0))
+        decay = 0.5 ** (1.0 / HEAD_ROUNDS_HALFLIFE)
+        self._head_rounds[(bucket, h)] = (weight * decay + 1.0, e * decay + tokens / active,
+                                          n * decay + drafts / active)
+
+    def _heads_per_row(self, bucket: int, h: int) -> tuple[float, float] | None:
+        """What rounds with h head steps recently returned per active row: (expected tokens from head
+        drafts, head drafts verified), or None before HEAD_ROUNDS_MIN such rounds."""
+        weight, e, n = self._head_rounds.get((bucket, h), (0.0, 0.0, 0.0))
+        return (e / weight, n / weight) if weight >= HEAD_ROUNDS_MIN else None
 
     def _round_pays(self, bucket: int, active: int, head_steps: int, expected: float, drafts: int) -> bool:
         """Whether verifying `drafts` drafts expected to add `expected` tokens beats a plain round, the
@@ -208,7 +264,8 @@ class DraftChooser:
 
     def settle(self, bucket: int, plan: RoundPlan, active: int, tokens: int, seconds: float) -> None:
         """A chosen drafting round's outcome: `tokens` made by `active` rows in `seconds` (the cost
-        clock's), against the tokens plain rounds of this bucket make in that time. A round that ran
+        clock's, at the cost model's common context: RoundCostModel.context_factor), against the tokens
+        plain rounds of this bucket make in that time. A round that ran
         head steps and then verified nothing (no row's draft was worth it) counts: its head steps
         were spent on drafting."""
         drafted = plan.num_drafts.any() or plan.head_steps > 0
@@ -229,7 +286,9 @@ class DraftChooser:
 
     def heads_changed(self) -> None:
         """New head weights: verify them next round instead of trusting the old estimates."""
+        self.probe_wait[HEADS] = self.probe_every
         self.rounds_without_heads = self.probe_every
+        self._head_rounds.clear()
 
     def observe(self, view: RowView, plan: RoundPlan, num_accepted: np.ndarray) -> None:
         """Verification's outcome for every row that drafted (the predictor learns from it)."""

@@ -12,6 +12,13 @@ keep the plain price current. Until a bucket has seen enough drafting rounds of 
 tell b and c apart, a prior fills in: written in units of that bucket's plain round (every call
 starts with plain rounds while the heads' caches fill and history is empty), and the fit is shrunk
 towards it (ridge) so a few noisy rounds cannot price drafting out for good.
+
+Every round gets dearer as the rows' context grows (attention reads it all): at batch 16 a plain round
+at the end of a 128-token call costs ~15% more than at its start. Rounds are priced at a common
+context: each round's seconds are divided by 1 + kappa * context, kappa fitted (per bucket) on plain
+rounds' seconds against their context. Unnormalised, a plain price timed late in one call made the
+first rounds of the next look cheap to draft in, and drafting rounds, which time few plain rounds,
+kept that stale price.
 """
 from __future__ import annotations
 
@@ -30,6 +37,8 @@ from rollout.engine.config import bucket
 # by what it cost.
 PRIOR_TOKEN = 0.15
 PRIOR_HEAD = 0.05
+CONTEXT_UNIT = 1000.0       # tokens: the context regressor's scale
+CONTEXT_MIN_ROUNDS = 8.0    # plain rounds before kappa is fitted (0 before)
 
 
 def cost_clock(device: torch.device) -> Callable[[], float]:
@@ -56,8 +65,13 @@ class RoundCostModel:
         self._coef: dict[int, np.ndarray] = {}
         self._seen: set[tuple[int, int, int]] = set()
         self._since_plain: dict[int, int] = {}    # bucket -> drafting rounds since its last timed plain round
+        self._ctx_xtx: dict[int, np.ndarray] = {}  # bucket -> plain rounds' decayed sums, x = (1, context)
+        self._ctx_xty: dict[int, np.ndarray] = {}
+        self._kappa: dict[int, float] = {}
 
-    def observe(self, bucket: int, tokens: int, head_steps: int, seconds: float) -> None:
+    def observe(self, bucket: int, tokens: int, head_steps: int, seconds: float, context: float = 0.0) -> None:
+        """A round of `bucket` slots that verified `tokens` tokens after `head_steps` head steps took
+        `seconds`; `context`: the mean length of its rows' sequences before it."""
         if not (seconds > 0 and math.isfinite(seconds)):
             return
         shape = (bucket, tokens, head_steps)
@@ -65,6 +79,9 @@ class RoundCostModel:
             self._seen.add(shape)
             return
         plain_round = head_steps == 0 and tokens <= bucket
+        if plain_round:
+            self._observe_context(bucket, context, seconds)
+        seconds = seconds / self.context_factor(bucket, context)
         self._since_plain[bucket] = 0 if plain_round else self._since_plain.get(bucket, 0) + 1
         # the prior's unit, a plain round: timed where one ran, else read off this round through the prior
         unit = seconds / (1 + PRIOR_TOKEN * (tokens / bucket - 1) + PRIOR_HEAD * head_steps)
@@ -80,6 +97,28 @@ class RoundCostModel:
             self._xtx[bucket], self._xty[bucket] = np.zeros((3, 3)), np.zeros(3)
         self._xtx[bucket] = self._xtx[bucket] * self.decay + np.outer(x, x)
         self._xty[bucket] = self._xty[bucket] * self.decay + x * seconds
+
+    def _observe_context(self, bucket: int, context: float, seconds: float) -> None:
+        x = np.array([1.0, context / CONTEXT_UNIT])
+        if bucket not in self._ctx_xtx:
+            self._ctx_xtx[bucket], self._ctx_xty[bucket] = np.zeros((2, 2)), np.zeros(2)
+        self._ctx_xtx[bucket] = self._ctx_xtx[bucket] * self.decay + np.outer(x, x)
+        self._ctx_xty[bucket] = self._ctx_xty[bucket] * self.decay + x * seconds
+        self._kappa.pop(bucket, None)
+
+    def context_factor(self, bucket: int, context: float) -> float:
+        """What a round at `context` costs over one at context 0 (1 + kappa * context): divide a
+        measured round by it to compare it with the model's prices."""
+        if bucket not in self._kappa:
+            xtx = self._ctx_xtx.get(bucket)
+            kappa = 0.0
+            if xtx is not None and xtx[0, 0] >= CONTEXT_MIN_ROUNDS:
+                # ridge on the slope, in units of a round's typical seconds: flat until the data say otherwise
+                ridge = np.diag([0.0, 1e-3 * xtx[0, 0]])
+                alpha, beta = np.linalg.solve(xtx + ridge, self._ctx_xty[bucket])
+                kappa = max(0.0, beta / alpha) if alpha > 0 else 0.0
+            self._kappa[bucket] = kappa
+        return 1.0 + self._kappa[bucket] * context / CONTEXT_UNIT
 
     def plain_due(self, bucket: int, every: int) -> bool:
         """Whether `every` drafting rounds of this bucket ran since a plain round was last timed."""
@@ -114,11 +153,11 @@ class RoundCostModel:
         a, b, c = self.coefficients(bucket)
         return a + b * tokens + c * head_steps
 
-    def plain_decode_seconds(self, rounds: Sequence[int], buckets: tuple[int, ...]) -> float:
+    def plain_decode_seconds(self, rounds: Sequence[int], buckets: tuple[int, ...], context: float = 0.0) -> float:
         """What plain decoding of the same rows would have taken: row i needs rounds[i] one-token
         rounds, the rows decode together and leave as they finish (the engine then moves the rest
-        into a smaller bucket). Priced by this model's plain rounds; nan where a bucket the rows
-        pass through was never timed."""
+        into a smaller bucket), at a mean context of `context` tokens. Priced by this model's plain
+        rounds; nan where a bucket the rows pass through was never timed."""
         need = np.sort(np.asarray(rounds, np.int64))[::-1]       # [B] descending
         total = 0.0
         for n in range(len(need), 0, -1):                         # n rows active for these rounds
@@ -128,5 +167,5 @@ class RoundCostModel:
             b = bucket(n, buckets)
             if not self.known(b):
                 return float("nan")
-            total += span * self.seconds(b, b, 0)    # a plain round computes every slot of its bucket
+            total += span * self.seconds(b, b, 0) * self.context_factor(b, context)   # every slot of its bucket
         return total
