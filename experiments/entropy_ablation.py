@@ -58,7 +58,9 @@ class AblationConfig:
     heads_config: str = "heads_smollm2"   # train-heads preset (configs/<name>.yaml) or a YAML path
     heads_overrides: list[str] = field(default_factory=list)   # key=value overrides of every head training
                                                                # (same for all objectives)
-    head_steps: int = 400                 # steps of each objective's single training phase
+    head_steps: int = 400                 # steps of each objective's single training phase; 0 = no training:
+                                          # every cell drafts with the shipped heads (a drafter-source study
+                                          # without the token store), its co-trainer refreshing with the objective
     head_lr: float = 2e-3                 # its peak learning rate
     rl_config: str = "async_rl"           # RL preset every cell runs (configs/<name>.yaml) or a YAML path
     rl: list[str] = field(default_factory=list)      # key=value overrides of every RL run (e.g. steps=20)
@@ -77,8 +79,8 @@ class AblationConfig:
         if not self.draft_sources or bad or len(set(self.draft_sources)) != len(self.draft_sources):
             raise ValueError(f"draft_sources must list each of {list(SOURCE_OVERRIDES)} at most once, got "
                              f"{list(self.draft_sources)}")
-        if self.head_steps < 1 or not self.head_lr > 0:
-            raise ValueError(f"need head_steps >= 1 and head_lr > 0, got {self.head_steps}, {self.head_lr}")
+        if self.head_steps < 0 or not self.head_lr > 0:
+            raise ValueError(f"need head_steps >= 0 and head_lr > 0, got {self.head_steps}, {self.head_lr}")
         for key, entries in (("heads_overrides", self.heads_overrides), ("rl", self.rl)):
             bad = [e for e in entries if "=" not in e]
             if bad:
@@ -89,7 +91,7 @@ class AblationConfig:
         """Every head training and every cell's run config loads: a bad key fails now, naming the cell."""
         from experiments.pretrain_heads import load_train_heads_config
 
-        for objective in self.objectives:
+        for objective in self.objectives if self.head_steps else ():
             try:
                 load_train_heads_config(head_training_argv(self, objective, Path(self.out_dir)))
             except ValueError as e:
@@ -103,7 +105,7 @@ class AblationConfig:
         cells (trained once, then shared), the history cell last."""
         out = []
         for objective in self.objectives:
-            heads_path = objective_heads_path(Path(self.out_dir), objective)
+            heads_path = objective_heads_path(Path(self.out_dir), objective) if self.head_steps else SHIPPED
             for source in (x for x in self.draft_sources if x != HISTORY):
                 for mode in self.draft_modes:
                     name = f"{mode}-{objective}" if source == "heads" else f"{source}-{mode}-{objective}"
@@ -146,7 +148,10 @@ def train_objective_heads(cfg: AblationConfig, objective: str, out: Path) -> Pat
     return path
 
 
-def cell_overrides(objective: str, mode: str, heads_path: Path) -> list[str]:
+SHIPPED = "shipped"     # the cells' heads where head_steps = 0
+
+
+def cell_overrides(objective: str, mode: str, heads_path: Path | str) -> list[str]:
     return [f"heads={heads_path}", f"sampling.draft_mode={mode}",
             f"accelerator.cotrainer.loss={objective}"]
 
@@ -269,10 +274,11 @@ def run(cfg: AblationConfig, resolved: str) -> list[dict]:
         records = []
         for name, overrides, labels in cfg.cells():              # ---- the driver loop ----
             heads_path = None
-            if labels["draft_source"] != HISTORY:
+            if labels["draft_source"] != HISTORY and cfg.head_steps:
                 heads_path = train_objective_heads(cfg, labels["objective"], out)   # once per objective
             rec = summarize_run(run_cell(cfg, name, overrides, out))
-            rec = {**labels, "heads_path": str(heads_path or ""), **rec,
+            rec = {**labels, "heads_path": str(heads_path or (SHIPPED if labels["draft_source"] != HISTORY else "")),
+                   **rec,
                    "speedup": rec["rollout_tok_s"] / plain["rollout_tok_s"] if plain else math.nan,
                    "heads_heldout": heads_heldout(heads_path, labels["draft_mode"]) if heads_path else {}}
             records.append(rec)

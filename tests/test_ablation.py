@@ -79,7 +79,7 @@ def test_a_rerun_reuses_finished_heads_and_runs(grid):
 
 
 @pytest.mark.parametrize("override, named", [
-    ("objectives=[tv,nope]", "nope"), ("draft_modes=[sampled]", "sampled"), ("head_steps=0", "head_steps"),
+    ("objectives=[tv,nope]", "nope"), ("draft_modes=[sampled]", "sampled"), ("head_steps=-1", "head_steps"),
     ("rl=[steps]", "key=value"), ("objectives=[]", "objectives"), ("draft_sources=[heads,suffix]", "draft_sources"),
 ])
 def test_bad_input_is_refused_naming_the_key(override, named, tmp_path):
@@ -108,6 +108,19 @@ def test_cells_run_with_the_trained_heads_file():
     cfg, _ = load_run_config([str(ROOT / "configs/smoke.yaml"),
                               *cell_overrides("tv", "greedy", Path("/x/heads/tv/heads.safetensors"))])
     assert cfg.heads == cfg.accelerator.heads == "/x/heads/tv/heads.safetensors"
+
+
+def test_head_steps_zero_runs_every_cell_with_the_shipped_heads_and_trains_none(tmp_path):
+    """The drafter-source study without a token store: no head training, every heads cell drafts with the
+    shipped heads while its co-trainer refreshes with the cell's objective."""
+    cfg = AblationConfig(objectives=["tv"], draft_modes=["rejection"], draft_sources=["heads", "chosen", "history"],
+                         head_steps=0, rl=["steps=2"], out_dir=str(tmp_path))
+    cells = {name: overrides for name, overrides, _ in cfg.cells()}
+    assert set(cells) == {"rejection-tv", "chosen-rejection-tv", "history"}
+    for name in ("rejection-tv", "chosen-rejection-tv"):
+        assert "heads=shipped" in cells[name] and "accelerator.cotrainer.loss=tv" in cells[name]
+    assert "heads=init" in cells["history"]
+    assert not (tmp_path / "heads").exists()
 
 
 def test_help_lists_every_key(capsys):
