@@ -268,11 +268,17 @@ def update_head_cache(ctx: RoundContext, st: DecodeState, j: int, prev_buffer: t
 
     The stale window is max(advance since the depth's last update, j) wide; `head_lag` bounds it
     on the host, so the number of chunks is known without reading lengths back from the device.
-    Chunk positions past c-2 write scratch entries that are rewritten before anything reads them."""
+    Chunk positions past c-2 write scratch entries that are rewritten before anything reads them.
+    Eager forwards take a window narrower than head_width in one chunk of the next power of two (a
+    round that advanced one or two positions computes two, not head_width); compiled ones keep
+    head_width, one graph."""
     c, W, L, D = st.committed, ctx.head_width, st.max_len, ctx.heads.num_depths
     rows = torch.arange(st.batch, device=c.device)[:, None]
     start = torch.minimum(st.head_len[j - 1], (c - 1 - j).clamp_min(0))
-    chunks = -(-max(st.head_lag[j - 1], j) // W)
+    stale = max(st.head_lag[j - 1], j)
+    if not ctx.forwards.compiled and stale < W:
+        W = 1 << (stale - 1).bit_length()
+    chunks = -(-stale // W)
     for i in range(chunks):
         pos = (start[:, None] + i * W + torch.arange(W, device=c.device)).clamp_max(L - 1 - D)  # [B, W]
         out = ctx.forwards.head(j - 1, prev_buffer[rows, pos], st.seq[rows, pos + j], pos, st.heads[j - 1])

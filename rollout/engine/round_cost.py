@@ -13,8 +13,8 @@ tell b and c apart, a prior fills in: written in units of that bucket's plain ro
 starts with plain rounds while the heads' caches fill and history is empty), and the fit is shrunk
 towards it (ridge) so a few noisy rounds cannot price drafting out for good.
 
-Every round gets dearer as the rows' context grows (attention reads it all): at batch 16 a plain round
-at the end of a 128-token call costs ~15% more than at its start. Rounds are priced at a common
+Every round gets dearer as the rows' context grows (attention reads it all), so a plain round at the
+end of a call costs more than one at its start. Rounds are priced at a common
 context: each round's seconds are divided by 1 + kappa * context, kappa fitted (per bucket) on plain
 rounds' seconds against their context. Unnormalised, a plain price timed late in one call made the
 first rounds of the next look cheap to draft in, and drafting rounds, which time few plain rounds,
@@ -113,7 +113,7 @@ class RoundCostModel:
             xtx = self._ctx_xtx.get(bucket)
             kappa = 0.0
             if xtx is not None and xtx[0, 0] >= CONTEXT_MIN_ROUNDS:
-                # ridge on the slope, in units of a round's typical seconds: flat until the data say otherwise
+                # a weak ridge on the slope: flat until plain rounds at different contexts say otherwise
                 ridge = np.diag([0.0, 1e-3 * xtx[0, 0]])
                 alpha, beta = np.linalg.solve(xtx + ridge, self._ctx_xty[bucket])
                 kappa = max(0.0, beta / alpha) if alpha > 0 else 0.0
