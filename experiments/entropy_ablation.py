@@ -274,13 +274,13 @@ def run(cfg: AblationConfig, resolved: str) -> list[dict]:
         records = []
         for name, overrides, labels in cfg.cells():              # ---- the driver loop ----
             heads_path = None
-            if labels["draft_source"] != HISTORY and cfg.head_steps:
-                heads_path = train_objective_heads(cfg, labels["objective"], out)   # once per objective
+            if labels["draft_source"] != HISTORY:     # trained once per objective, or the shipped heads
+                heads_path = train_objective_heads(cfg, labels["objective"], out) if cfg.head_steps else SHIPPED
             rec = summarize_run(run_cell(cfg, name, overrides, out))
-            rec = {**labels, "heads_path": str(heads_path or (SHIPPED if labels["draft_source"] != HISTORY else "")),
-                   **rec,
+            rec = {**labels, "heads_path": str(heads_path or ""), **rec,
                    "speedup": rec["rollout_tok_s"] / plain["rollout_tok_s"] if plain else math.nan,
-                   "heads_heldout": heads_heldout(heads_path, labels["draft_mode"]) if heads_path else {}}
+                   "heads_heldout": (heads_heldout(heads_path, labels["draft_mode"]) if isinstance(heads_path, Path)
+                                     else {})}
             records.append(rec)
             write_results(out, records, cfg.results_dir)          # after every cell: a partial grid is readable
     print(tables(records))

@@ -135,8 +135,7 @@ class TorchEngine:
                         seconds = clock() - t_round
                         context = float(before.cpu().numpy()[view.active].mean()) if view.active.any() else 0.0
                         chooser.costs.observe(st.batch, r.verified_tokens, r.plan.head_steps, seconds, context)
-                        chooser.settle(st.batch, r.plan, int(view.active.sum()), int(count.sum()),
-                                       seconds / chooser.costs.context_factor(st.batch, context))
+                        chooser.settle(st.batch, r.plan, int(view.active.sum()), int(count.sum()), seconds, context)
                 if history is not None:
                     out = r.emitted.cpu().numpy()
                     for slot in np.flatnonzero(count > 0):

@@ -262,10 +262,11 @@ class DraftChooser:
         plain = self.costs.plain_seconds(bucket) + spent
         return (active + expected) / drafting >= self.margin.get(bucket, 1.0) * active / plain
 
-    def settle(self, bucket: int, plan: RoundPlan, active: int, tokens: int, seconds: float) -> None:
+    def settle(self, bucket: int, plan: RoundPlan, active: int, tokens: int, seconds: float,
+               context: float = 0.0) -> None:
         """A chosen drafting round's outcome: `tokens` made by `active` rows in `seconds` (the cost
-        clock's, at the cost model's common context: RoundCostModel.context_factor), against the tokens
-        plain rounds of this bucket make in that time. A round that ran
+        clock's) at a mean context of `context` tokens, against the tokens plain rounds of this bucket
+        make in that time at the same context (RoundCostModel.context_factor). A round that ran
         head steps and then verified nothing (no row's draft was worth it) counts: its head steps
         were spent on drafting."""
         drafted = plan.num_drafts.any() or plan.head_steps > 0
@@ -274,6 +275,7 @@ class DraftChooser:
         decay = 0.5 ** (1.0 / RETURNS_HALFLIFE)
         made, plain = self._returns.get(bucket, (0.0, 0.0))
         made = made * decay + tokens
+        seconds = seconds / self.costs.context_factor(bucket, context)    # priced as the model prices plain rounds
         plain = plain * decay + active * seconds / self.costs.plain_seconds(bucket)
         self._returns[bucket] = (made, plain)
         step = MARGIN_STEP * (1.0 - made / plain)
