@@ -18,6 +18,7 @@ import torch
 from experiments import cli
 from experiments.async_rl import with_default_config
 from rollout.config_loader import write_resolved
+from rollout.ray_guard import records_dir
 from rollout.run_dir import read_jsonl
 from tests.test_safe_runs import ENV, ROOT, SMOKE, _steps, error_lines, run_cli
 from trainers.config import load_run_config, run_dir_relative
@@ -148,6 +149,12 @@ def test_kill9_then_damaged_last_checkpoint_falls_back_and_the_moved_run_complet
         time.sleep(0.1)
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
+    # The run's Ray workers outlive the driver until its guard stops them (a poll and a grace period);
+    # until then they may still write into the old folder, so the move waits for the guard.
+    record = records_dir() / f"{proc.pid}.json"
+    while record.exists():
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
     newest = latest_checkpoint(killed)
     assert newest is not None and newest.step < steps - 1
     done = sorted(p for p in (killed / CHECKPOINTS).iterdir() if (p / "state.json").is_file())
