@@ -34,6 +34,7 @@ from rollout.engine.round import (PhaseTimes, RoundContext, RoundResult, commit,
                                   round_slack, run_round)
 from rollout.engine.state import DecodeState, Results, gather_rows
 from rollout.models.decoder import Cache, CausalLM, set_read_len
+from rollout.models.paged_attention import PagedKVCache
 from rollout.types import RolloutBatch, SamplingParams, validate_request
 from rollout.verify import KeyedDraws, process_logits_with_stats, sample
 
@@ -161,7 +162,7 @@ class TorchEngine:
             lengths = [max(0, len(c.tokens) - 1) for c in batch.completions]
             context = float(np.mean([len(p) + n / 2 for p, n in zip(prompts, lengths)]))
             plain_cost = prefill_cost + chooser.costs.plain_decode_seconds(lengths, self.config.batch_buckets,
-                                                                           context)
+                                                                           context, packed=self._packs(st))
             batch.plain_estimate_s = batch.wall_time_s * plain_cost / call_cost
         return batch
 
@@ -173,7 +174,8 @@ class TorchEngine:
         row_ids = st.row_ids.cpu().numpy()
         last = (st.committed - 1)[:, None]
         entropy = st.token_entropy.gather(1, last).squeeze(1).float().cpu().numpy()
-        view = RowView(active=~finished, entropy=entropy, row_ids=row_ids)
+        view = RowView(active=~finished, entropy=entropy, row_ids=row_ids,
+                       computed_rows=int((~finished).sum()) if self._packs(st) else None)
         if history is not None:
             tokens, cond, match = [], [], np.zeros(st.batch, dtype=np.int64)
             for b in range(st.batch):
@@ -290,6 +292,10 @@ class TorchEngine:
         order = torch.argsort(st.finished.to(torch.int8), stable=True)[:new_b]   # unfinished first
         heads = self._head_caches(new_b, st.max_len) if st.heads else []
         return gather_rows(st, order, self._target_cache(new_b, st.max_len), heads)
+
+    def _packs(self, st: DecodeState) -> bool:
+        """Whether verification packs rows' runs, leaving finished rows out (run_round: paged, eager)."""
+        return isinstance(st.target, PagedKVCache) and not self.forwards.compiled
 
     # ----------------------------------------------------------------- drafting decisions
     def _can_draft(self) -> bool:

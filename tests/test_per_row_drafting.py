@@ -23,7 +23,7 @@ def eager_chooser(monkeypatch):
     """The real chooser with a threshold near 0, so that every row drafts whatever it has, and odd rows
     that have a history draft take it: the widest mix of sources and lengths in one batch, which is what
     losslessness must survive (the choice depends on the row and its history, as the real one may)."""
-    monkeypatch.setattr(DraftChooser, "threshold", lambda self, bucket, active: 1e-3)
+    monkeypatch.setattr(DraftChooser, "threshold", lambda self, bucket, active, rows=None: 1e-3)
     assign = DraftChooser.assign
 
     def mixed(self, bucket, view, head_steps, head_feature):

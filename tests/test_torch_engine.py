@@ -286,6 +286,38 @@ def test_rows_finishing_at_different_times_equal_each_row_alone(tiny_policy, tin
         assert comp.logprobs == pytest.approx(alone.logprobs, abs=1e-5)
 
 
+@pytest.mark.parametrize("k", [0, 2])
+def test_finished_rows_are_not_computed_while_their_bucket_remains(tiny_policy, tiny_heads, k, monkeypatch):
+    """Packed verification leaves rows that finished out of the forward (their bucket stays until
+    enough rows finish to move to a smaller one): once a row stops, no later forward computes it."""
+    engine = TorchEngine(tiny_policy, tiny_heads, config=FIXED)
+    ref = engine.generate(PROMPTS, SamplingParams(max_new_tokens=30, temperature=0, ignore_eos=True))
+    stops = (ref.completions[0].tokens[3],)          # row 0 stops after a few tokens, the others later or never
+    sp = SamplingParams(max_new_tokens=30, temperature=0, ignore_eos=True, num_draft_tokens=k, stop_token_ids=stops)
+    calls = []
+    target_packed = engine.forwards.target_packed
+    monkeypatch.setattr(engine.forwards, "target_packed",     # (cache rows, cache): slots change with the bucket
+                        lambda tokens, positions, rows, starts, cache, *a, **kw:
+                        calls.append((rows.unique().tolist(), cache))
+                        or target_packed(tokens, positions, rows, starts, cache, *a, **kw))
+    batch = engine.generate(PROMPTS, sp)
+    if not isinstance(tiny_policy.new_cache(1, 8, paged=True), paged_attention.PagedKVCache):
+        assert calls == []                            # SDPA caches pad every row
+        return
+    assert batch.completions[0].finish_reason == "stop" and len(batch.completions[0].tokens) < 30
+    assert len(batch.completions[1].tokens) > len(batch.completions[0].tokens)
+    full = calls[0][1] if calls else None
+    assert full is not None and full.block_table.shape[0] == len(PROMPTS)
+    calls = [rows for rows, cache in calls if cache is full]     # the first bucket's forwards
+    left_out = [rows for rows in calls if 0 not in rows]
+    assert left_out and all(len(rows) < len(PROMPTS) for rows in left_out)
+    assert all(0 in rows for rows in calls[:calls.index(left_out[0])])   # computed until it stopped, never after
+    assert all(0 not in rows for rows in calls[calls.index(left_out[0]):])
+    for prompt, comp in zip(PROMPTS, batch.completions):
+        alone = engine.generate([prompt], sp).completions[0]
+        assert comp.tokens == alone.tokens
+
+
 @pytest.mark.parametrize("k", [0, 3])
 def test_a_group_of_repeated_prompts_is_prefilled_once_and_decodes_like_each_prompt_alone(tiny_policy, tiny_heads,
                                                                                            k, monkeypatch):

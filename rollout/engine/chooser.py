@@ -1,7 +1,8 @@
 """Per row and per round: draft from the heads, from rollout history, or not at all, and how many.
 
 A drafted token pays where the tokens it is expected to add beat what the same time buys in plain
-decoding. A plain round of `bucket` rows makes `active` tokens in P seconds (timed); a drafting
+decoding. A plain round of `bucket` rows makes `active` tokens in P seconds (timed; less where
+finished rows are not computed, RowView.computed_rows); a drafting
 round costs a + b * (tokens verified) + c * (head steps) (rollout.engine.round_cost), so a
 candidate token whose expected contribution (the product of the predicted acceptances up to it,
 rollout.engine.predictor) is at least b * active / P is worth its verification, and the round as a
@@ -65,6 +66,10 @@ class RowView:
     history_tokens: list[list[int]] = field(default_factory=list)   # per row (empty: no history draft)
     history_cond: list[np.ndarray] = field(default_factory=list)    # per row: P(token j | tokens < j) from counts
     history_match: np.ndarray | None = None  # [B] match length
+    computed_rows: int | None = None         # rows a plain round computes (None: the whole bucket)
+
+    def plain_rows(self, bucket: int) -> int:
+        return bucket if self.computed_rows is None else self.computed_rows
 
 
 @dataclass
@@ -77,6 +82,7 @@ class RoundPlan:
     predicted: list[np.ndarray]              # per row: predicted conditional acceptance of each kept draft
     features: list[np.ndarray]               # per row: the feature of each kept draft (predictor input)
     reason: str = "chosen"                   # chosen | probe (heads) | probe_history | fixed
+    plain_rows: int | None = None            # rows a plain round of this batch computes (None: the bucket)
 
     @property
     def width(self) -> int:
@@ -102,10 +108,11 @@ class DraftChooser:
         self._returns: dict[int, tuple[float, float]] = {}   # bucket -> decayed (tokens made, plain's tokens)
 
     # ------------------------------------------------------------------ threshold
-    def threshold(self, bucket: int, active: int) -> float:
-        """Expected tokens a verified draft must add to beat plain decoding for its time."""
+    def threshold(self, bucket: int, active: int, rows: int | None = None) -> float:
+        """Expected tokens a verified draft must add to beat plain decoding for its time (a plain
+        round computing `rows` rows; None: the whole bucket)."""
         _, b, _ = self.costs.coefficients(bucket)
-        return self.margin.get(bucket, 1.0) * b * active / self.costs.plain_seconds(bucket)
+        return self.margin.get(bucket, 1.0) * b * active / self.costs.plain_seconds(bucket, rows)
 
     def _history_option(self, view: RowView, b: int, tau: float) -> tuple[int, np.ndarray, float]:
         """(drafts kept, their predicted acceptances, expected tokens) of row b's history draft; what
@@ -134,13 +141,14 @@ class DraftChooser:
             return 0
         if self.rounds_without_heads >= self.probe_wait[HEADS]:
             return 1
-        tau = self.threshold(bucket, active.size)
+        rows = view.plain_rows(bucket)
+        tau = self.threshold(bucket, active.size, rows)
         hist = [self._history_option(view, int(b), tau) for b in active]
         self._history_options = (view, tau, dict(zip(active.tolist(), hist)))
         reach_all = np.cumprod(self._heads_levels(self.k_max))
         best_h, best_rate = 0, None
         for h in range(self.k_max + 1):
-            tokens, verified = float(active.size), bucket
+            tokens, verified = float(active.size), rows
             reach = reach_all[:h]
             n_head = int((reach >= tau).sum())                    # levels decrease along the chain
             e_head = float(reach[:n_head].sum())
@@ -170,7 +178,8 @@ class DraftChooser:
         probe = head_steps > 0 and self.rounds_without_heads >= self.probe_wait[HEADS]
         probe_history = (not probe and self.use_history and self.rounds_without_history >= self.probe_wait[HISTORY]
                          and bool(view.history_tokens) and any(view.history_tokens[int(b)] for b in active))
-        tau = self.threshold(bucket, max(active.size, 1))
+        rows = view.plain_rows(bucket)
+        tau = self.threshold(bucket, max(active.size, 1), rows)
         levels = self._heads_levels(head_steps)
         options = {}                              # row -> (history option, heads option)
         for b in active.tolist():
@@ -186,7 +195,7 @@ class DraftChooser:
                 e_head = float(before[:int(np.argmin(before >= tau)) if (before < tau).any() else head_steps].sum())
             options[b] = (self._history_option(view, b, tau), (n_head, acc_head, e_head))
         plan, expected = self._plan(B, view, head_steps, head_feature, options)
-        if plan.num_drafts.any() and not self._round_pays(bucket, active.size, head_steps, float(expected.sum()),
+        if plan.num_drafts.any() and not self._round_pays(bucket, rows, active.size, head_steps, float(expected.sum()),
                                                           int(plan.num_drafts.sum())):
             plan, expected = self._plan(B, view, head_steps, head_feature, {})
         if head_steps:       # what head steps bought: head_steps() prices the next rounds' on it
@@ -215,6 +224,7 @@ class DraftChooser:
         self.rounds_without_history = (0 if (plan.source == HISTORY).any() or not self.use_history
                                        else self.rounds_without_history + 1)
         plan.reason = "probe" if probe else "probe_history" if probe_history else "chosen"
+        plan.plain_rows = rows
         self._history_options = None
         return plan
 
@@ -252,14 +262,15 @@ class DraftChooser:
         weight, e, n = self._head_rounds.get((bucket, h), (0.0, 0.0, 0.0))
         return (e / weight, n / weight) if weight >= HEAD_ROUNDS_MIN else None
 
-    def _round_pays(self, bucket: int, active: int, head_steps: int, expected: float, drafts: int) -> bool:
-        """Whether verifying `drafts` drafts expected to add `expected` tokens beats a plain round, the
-        head steps being spent either way. `expected` is computed from what was known before each row's
+    def _round_pays(self, bucket: int, rows: int, active: int, head_steps: int, expected: float,
+                    drafts: int) -> bool:
+        """Whether verifying `drafts` drafts expected to add `expected` tokens beats a plain round of
+        `rows` computed rows, the head steps being spent either way. `expected` is computed from what was known before each row's
         first draft was drawn (the heads' first feature and per-position levels, or history counts),
         so dropping a row's drafts here never depends on the tokens drafted."""
         spent = self.costs.coefficients(bucket)[2] * head_steps
-        drafting = self.costs.seconds(bucket, bucket + drafts, head_steps)
-        plain = self.costs.plain_seconds(bucket) + spent
+        drafting = self.costs.seconds(bucket, rows + drafts, head_steps)
+        plain = self.costs.plain_seconds(bucket, rows) + spent
         return (active + expected) / drafting >= self.margin.get(bucket, 1.0) * active / plain
 
     def settle(self, bucket: int, plan: RoundPlan, active: int, tokens: int, seconds: float,
@@ -276,7 +287,7 @@ class DraftChooser:
         made, plain = self._returns.get(bucket, (0.0, 0.0))
         made = made * decay + tokens
         seconds = seconds / self.costs.context_factor(bucket, context)    # priced as the model prices plain rounds
-        plain = plain * decay + active * seconds / self.costs.plain_seconds(bucket)
+        plain = plain * decay + active * seconds / self.costs.plain_seconds(bucket, plan.plain_rows)
         self._returns[bucket] = (made, plain)
         step = MARGIN_STEP * (1.0 - made / plain)
         self.margin[bucket] = min(MARGIN_MAX, max(1.0, self.margin.get(bucket, 1.0) * math.exp(step)))

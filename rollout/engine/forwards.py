@@ -85,16 +85,18 @@ class Forwards:
         return model.norm(x)
 
     def target_packed(self, tokens: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor,
-                      query_start: torch.Tensor, cache: PagedKVCache, aux_layers: tuple[int, ...] = ()) -> torch.Tensor:
-        """tokens, positions, rows [N]: each row's run of consecutive positions, rows in cache order
-        (query_start [B+1] int32 offsets) -> final-norm hidden [N, d]. Eager, paged caches only: the
-        variable per-row lengths go to the attention kernel as they are, without padding."""
+                      query_start: torch.Tensor, cache: PagedKVCache, aux_layers: tuple[int, ...] = (),
+                      seqs: torch.Tensor | None = None) -> torch.Tensor:
+        """tokens, positions, rows [N]: each computed row's run of consecutive positions, runs in the
+        order of `seqs` [S] (cache rows; None: every row in cache order), query_start [S+1] int32
+        offsets -> final-norm hidden [N, d]. Eager, paged caches only: the variable per-row lengths
+        go to the attention kernel as they are, without padding."""
         model = self.policy.model
         positions = positions[None]                                                   # [1, N]
         cos, sin = model.rotary(positions)
         x = model.embed_tokens(tokens[None])
         aux = [x] if 0 in aux_layers else []
-        cache.packed(rows, query_start)
+        cache.packed(rows, query_start, seqs)
         try:
             for i, layer in enumerate(model.layers):
                 x = layer(x, (cos, sin), positions, cache, i)

@@ -2,9 +2,9 @@
 
 Each row drafts its own number of tokens from its own source (rollout.engine.chooser: the heads,
 rollout history, or nothing); a plan with no drafts is a plain decoding step. Verification is one
-target forward over every row's pending token and drafts: packed (each row's tokens only, the
-paged attention kernel takes per-row query lengths) where the cache is paged, else padded to the
-longest row's width. The round's host synchronisations are the heads' draft features (when heads
+target forward over every unfinished row's pending token and drafts: packed (each row's tokens
+only, the paged attention kernel takes per-row query lengths; rows that finished are left out) where
+the cache is paged and a row drafted or finished, else padded to the longest row's width. The round's host synchronisations are the heads' draft features (when heads
 drafted) and the engine's stop check after it.
 """
 from __future__ import annotations
@@ -131,8 +131,9 @@ def run_round(ctx: RoundContext, st: DecodeState, view: RowView, chooser: DraftC
     with ctx.times.phase("verify", dev):
         pending = st.seq.gather(1, (c - 1)[:, None])                                       # [B, 1]
         tokens = torch.cat([pending, drafts], dim=1)                                       # [B, k+1]
-        if isinstance(st.target, PagedKVCache) and not ctx.forwards.compiled and k > 0:
-            hidden, index, verified = _verify_packed(ctx, st, tokens, num_drafts)         # [N, d], [B, k+1]
+        live = np.flatnonzero(view.active)                                                 # [S] host
+        if isinstance(st.target, PagedKVCache) and not ctx.forwards.compiled and 0 < live.size and (k > 0 or live.size < B):
+            hidden, index, verified = _verify_packed(ctx, st, tokens, num_drafts, live)   # [N, d], [B, k+1]
         else:
             width = bucket(k + 1, ctx.verify_widths)
             padded = torch.cat([tokens, tokens.new_zeros(B, width - k - 1)], dim=1)        # [B, width]
@@ -153,8 +154,8 @@ def run_round(ctx: RoundContext, st: DecodeState, view: RowView, chooser: DraftC
             output = sample(target_probs[index[:, 0]], keys)[:, None]
         else:
             heads_q = None if (q is None or sp.draft_mode == "greedy") else q[:, :k]
-            output, num_accepted = rejection_sample(drafts, heads_q, target_probs, keys, num_drafts,
-                                                    index=index, point_mass=point_mass)
+            output, num_accepted = _accept_unfinished(ctx, st, live, drafts, heads_q, target_probs, num_drafts,
+                                                      index, point_mass, keys)
     with ctx.times.phase("commit", dev):
         emitted = output.clamp_min(0)
         logp = logits[index, emitted] - logits.logsumexp(-1)[index]                       # [B, k+1]
@@ -165,6 +166,25 @@ def run_round(ctx: RoundContext, st: DecodeState, view: RowView, chooser: DraftC
     st.longest = min(st.longest + k + 1, st.max_len)
     return RoundResult(k, st.row_ids, active, num_accepted, num_drafts, ent[index[:, :k]] if k else ent.new_zeros(B, 0),
                        plan, output, nonfinite, verified)
+
+
+def _accept_unfinished(ctx: RoundContext, st: DecodeState, live: np.ndarray, drafts, heads_q, target_probs,
+                       num_drafts, index, point_mass, keys: KeyedDraws) -> tuple[torch.Tensor, torch.Tensor]:
+    """rejection_sample over the unfinished rows `live` only: a finished row left out of a packed
+    forward has no entries of its own (its index points into another row's), and its draws must not
+    land on them. -> output [B, k+1] (-1 for finished rows), num_accepted [B]."""
+    B = drafts.shape[0]
+    if live.size == B:
+        return rejection_sample(drafts, heads_q, target_probs, keys, num_drafts, index=index, point_mass=point_mass)
+    sel = torch.as_tensor(live, device=drafts.device)
+    out, acc = rejection_sample(drafts[sel], None if heads_q is None else heads_q[sel], target_probs,
+                                KeyedDraws(ctx.seed, st.row_ids[sel], st.committed[sel]), num_drafts[sel],
+                                index=index[sel], point_mass=None if point_mass is None else point_mass[sel])
+    output = out.new_full((B, out.shape[1]), -1)
+    output[sel] = out
+    num_accepted = acc.new_zeros(B)
+    num_accepted[sel] = acc
+    return output, num_accepted
 
 
 def _draft_tensors(plan: RoundPlan, view: RowView, head_tokens: torch.Tensor | None, draft_mode: str,
@@ -190,35 +210,42 @@ def _draft_tensors(plan: RoundPlan, view: RowView, head_tokens: torch.Tensor | N
     return drafts, num_drafts, None      # no point masses: verification draws no token per position
 
 
-def _verify_packed(ctx: RoundContext, st: DecodeState, tokens: torch.Tensor, num_drafts: torch.Tensor):
-    """Row b's pending token and its num_drafts[b] drafts, every row's run back to back in one
-    [1, N] forward (N padded up to PACK_MULTIPLE by extending the last row's run with scratch
-    positions, rewritten before anything reads them).
+def _verify_packed(ctx: RoundContext, st: DecodeState, tokens: torch.Tensor, num_drafts: torch.Tensor,
+                   live: np.ndarray):
+    """Each unfinished row's pending token and its num_drafts[b] drafts, the runs back to back in
+    one [1, N] forward (N padded up to PACK_MULTIPLE by extending the last run with scratch
+    positions, rewritten before anything reads them). Finished rows are not computed: a bucket
+    keeps them until enough rows finish to move into a smaller one.
 
-    tokens [B, k+1] -> hidden [N, d], index [B, k+1] (row b's position j -> its run's min(j, n_b)),
-    N."""
+    tokens [B, k+1], live [S] (host: the unfinished rows) -> hidden [N, d], index [B, k+1] (row b's
+    position j -> its run's min(j, n_b); 0 for finished rows, whose outputs are never committed), N."""
     B, width = tokens.shape
     dev = tokens.device
-    counts = num_drafts + 1                                                               # [B]
+    every_row = live.size == B
+    seqs = torch.arange(B, device=dev) if every_row else torch.as_tensor(live, device=dev)    # [S]
+    drafts = num_drafts[seqs]                                                             # [S]
+    counts = drafts + 1
     total = int(counts.sum())
     pad = -total % PACK_MULTIPLE
     counts_padded = counts.clone()
     counts_padded[-1] += pad
-    starts = torch.zeros(B + 1, dtype=torch.long, device=dev)
+    starts = torch.zeros(seqs.numel() + 1, dtype=torch.long, device=dev)
     starts[1:] = counts_padded.cumsum(0)
     N = total + pad
-    rows = torch.repeat_interleave(torch.arange(B, device=dev), counts_padded)           # [N]
-    offset = torch.arange(N, device=dev) - starts[rows]                                   # [N] position in the run
+    run = torch.repeat_interleave(torch.arange(seqs.numel(), device=dev), counts_padded)  # [N] the run of each token
+    rows = seqs[run]                                                                      # [N] its cache row
+    offset = torch.arange(N, device=dev) - starts[run]                                    # [N] position in the run
     positions = st.committed[rows] - 1 + offset
     flat_tokens = tokens[rows, offset.clamp_max(width - 1)]
-    flat_tokens = torch.where(offset < counts[rows], flat_tokens, 0)
+    flat_tokens = torch.where(offset < counts[run], flat_tokens, 0)
     positions = positions.clamp_max(st.max_len - 1)
     hidden = ctx.forwards.target_packed(flat_tokens, positions, rows, starts.to(torch.int32), st.target,
-                                        _aux_layers(ctx, st))
+                                        _aux_layers(ctx, st), seqs=None if every_row else seqs)
     st.hidden[rows, positions] = hidden
     if st.draft_states is not None:
         st.draft_states[rows, positions] = ctx.heads.draft_states(ctx.forwards.aux_states)
-    index = starts[:B, None] + torch.minimum(torch.arange(width, device=dev)[None], num_drafts[:, None])
+    index = torch.zeros(B, width, dtype=torch.long, device=dev)
+    index[seqs] = starts[:-1, None] + torch.minimum(torch.arange(width, device=dev)[None], drafts[:, None])
     return hidden, index, N
 
 

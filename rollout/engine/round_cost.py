@@ -13,6 +13,11 @@ tell b and c apart, a prior fills in: written in units of that bucket's plain ro
 starts with plain rounds while the heads' caches fill and history is empty), and the fit is shrunk
 towards it (ridge) so a few noisy rounds cannot price drafting out for good.
 
+A round computes the rows that have not finished (where verification packs them; a padded forward
+computes the whole bucket), so a plain round with r of its bucket's rows computed is priced as the
+bucket's timed plain round less b for each row left out, and timed such rounds are put back on the
+full bucket's scale the same way.
+
 Every round gets dearer as the rows' context grows (attention reads it all), so a plain round at the
 end of a call costs more than one at its start. Rounds are priced at a common
 context: each round's seconds are divided by 1 + kappa * context, kappa fitted (per bucket) on plain
@@ -79,12 +84,14 @@ class RoundCostModel:
             self._seen.add(shape)
             return
         plain_round = head_steps == 0 and tokens <= bucket
-        if plain_round:
+        if plain_round and tokens == bucket:
             self._observe_context(bucket, context, seconds)
         seconds = seconds / self.context_factor(bucket, context)
         self._since_plain[bucket] = 0 if plain_round else self._since_plain.get(bucket, 0) + 1
+        if plain_round and tokens < bucket:   # rows that finished were not computed: on the full bucket's scale
+            seconds = seconds + self.coefficients(bucket)[1] * (bucket - tokens)
         # the prior's unit, a plain round: timed where one ran, else read off this round through the prior
-        unit = seconds / (1 + PRIOR_TOKEN * (tokens / bucket - 1) + PRIOR_HEAD * head_steps)
+        unit = seconds / (1 + PRIOR_TOKEN * (max(tokens, bucket) / bucket - 1) + PRIOR_HEAD * head_steps)
         if plain_round or bucket not in self._timed_plain:
             old = self._plain.get(bucket)
             self._plain[bucket] = unit if old is None else 0.9 * old + 0.1 * unit
@@ -124,9 +131,13 @@ class RoundCostModel:
         """Whether `every` drafting rounds of this bucket ran since a plain round was last timed."""
         return self._since_plain.get(bucket, 0) >= every
 
-    def plain_seconds(self, bucket: int) -> float:
-        """A plain round of this bucket: as timed (or, before one was, read off drafting rounds)."""
-        return self._plain.get(bucket, 1.0)
+    def plain_seconds(self, bucket: int, rows: int | None = None) -> float:
+        """A plain round of this bucket computing `rows` rows (None: all of them): as timed (or, before
+        one was, read off drafting rounds), less b for each row left out."""
+        full = self._plain.get(bucket, 1.0)
+        if rows is None or rows >= bucket:
+            return full
+        return max(full - self.coefficients(bucket)[1] * (bucket - rows), 0.1 * full)
 
     def known(self, bucket: int) -> bool:
         """Whether a round of this bucket has been timed (the prior's unit is known)."""
@@ -149,15 +160,17 @@ class RoundCostModel:
     def seconds(self, bucket: int, tokens: int, head_steps: int) -> float:
         """A round verifying `tokens` tokens after `head_steps` head steps (a plain round: tokens <= bucket, 0)."""
         if head_steps == 0 and tokens <= bucket:
-            return self.plain_seconds(bucket)
+            return self.plain_seconds(bucket, tokens)
         a, b, c = self.coefficients(bucket)
         return a + b * tokens + c * head_steps
 
-    def plain_decode_seconds(self, rounds: Sequence[int], buckets: tuple[int, ...], context: float = 0.0) -> float:
+    def plain_decode_seconds(self, rounds: Sequence[int], buckets: tuple[int, ...], context: float = 0.0,
+                             packed: bool = False) -> float:
         """What plain decoding of the same rows would have taken: row i needs rounds[i] one-token
         rounds, the rows decode together and leave as they finish (the engine then moves the rest
-        into a smaller bucket), at a mean context of `context` tokens. Priced by this model's plain
-        rounds; nan where a bucket the rows pass through was never timed."""
+        into a smaller bucket; `packed`: until then finished rows are not computed), at a mean context
+        of `context` tokens. Priced by this model's plain rounds; nan where a bucket the rows pass
+        through was never timed."""
         need = np.sort(np.asarray(rounds, np.int64))[::-1]       # [B] descending
         total = 0.0
         for n in range(len(need), 0, -1):                         # n rows active for these rounds
@@ -167,5 +180,5 @@ class RoundCostModel:
             b = bucket(n, buckets)
             if not self.known(b):
                 return float("nan")
-            total += span * self.seconds(b, b, 0) * self.context_factor(b, context)   # every slot of its bucket
+            total += span * self.seconds(b, n if packed else b, 0) * self.context_factor(b, context)
         return total

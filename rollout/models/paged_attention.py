@@ -62,29 +62,34 @@ class PagedKVCache:
         # the N tokens and the query offsets [B+1]; None = one [B, T] block. See `packed`.
         self.packing: tuple[torch.Tensor, torch.Tensor] | None = None
 
-    def packed(self, rows: torch.Tensor, query_start: torch.Tensor) -> "PagedKVCache":
+    def packed(self, rows: torch.Tensor, query_start: torch.Tensor,
+               seqs: torch.Tensor | None = None) -> "PagedKVCache":
         """Let the next forward pass N tokens as one [1, N] sequence: token i belongs to cache row
-        rows[i], and row b's tokens are query_start[b] .. query_start[b+1]-1 (consecutive positions;
-        every row of the cache has at least one). Verification of per-row draft lengths computes
-        only the tokens each row drafted, not B times the longest."""
-        self.packing = (rows, query_start)
+        rows[i], and sequence s's tokens are query_start[s] .. query_start[s+1]-1 (consecutive
+        positions, at least one each). The sequences are the cache rows `seqs` [S] in that order
+        (None: every row, S = B). Verification of per-row draft lengths computes only the tokens each
+        row drafted, not B times the longest, and rows that finished are left out."""
+        self.packing = (rows, query_start, seqs)
         return self
 
     def plan(self, positions: torch.Tensor, num_heads: int) -> tuple[torch.Tensor, ...]:
         """What every layer of one forward shares, made once per positions tensor [B, T]: the slots
         [B*T] the new keys go to, each row's length [B] (its last new position + 1), the query offsets
-        [B+1] and the kernel's work schedule. Rows' new positions must be consecutive (start + 0..T-1),
+        [B+1], the kernel's work schedule and the block table of the rows attended. Rows' new positions must be consecutive (start + 0..T-1),
         as every forward of the engine is: the kernel places query t at length - T + t."""
         memo = self._plan
         if memo is not None and memo[0] is positions and memo[1] == num_heads:
             return memo[2]
+        table = self.block_table
         if self.packing is not None:          # positions [1, N] of rows' consecutive runs
-            rows, starts = self.packing
+            rows, starts, seqs = self.packing
             flat = positions.reshape(-1)
             B = starts.numel() - 1
             slots = flat + self.blocks_per_row * BLOCK * rows
             seq_lens = (flat[starts[1:].long() - 1] + 1).to(torch.int32)
             query_start = starts.to(torch.int32)
+            if seqs is not None:
+                table = self.block_table[seqs]
         else:
             B, T = positions.shape
             slots = (positions + self.blocks_per_row * BLOCK * torch.arange(B)[:, None]).flatten()
@@ -93,7 +98,7 @@ class PagedKVCache:
         schedule = torch.ops._C.get_scheduler_metadata(
             B, num_heads, self.num_kv_heads, self.head_dim, seq_lens, self.dtype, query_start,
             True, -1, self.isa, False, None, "auto")
-        plan = (slots, seq_lens, query_start, schedule)
+        plan = (slots, seq_lens, query_start, schedule, table)
         self._plan = (positions, num_heads, plan)
         return plan
 
@@ -103,7 +108,7 @@ class PagedKVCache:
 
         q [B, H, T, hd]; k, v [B, H_kv, T, hd] (any strides); positions [B, T] -> [B, T, H, hd]."""
         B, H, T, hd = q.shape
-        slots, seq_lens, query_start, schedule = self.plan(positions, H)
+        slots, seq_lens, query_start, schedule, table = self.plan(positions, H)
         k_blocks = self.k[layer].view(-1, self.num_kv_heads, BLOCK, hd)
         v_blocks = self.v[layer].view(-1, self.num_kv_heads, BLOCK, hd)
         torch.ops._C.cpu_attn_reshape_and_cache(
@@ -113,7 +118,7 @@ class PagedKVCache:
         out = torch.empty(B * T, H, hd, dtype=q.dtype, device=q.device)
         torch.ops._C.cpu_attention_with_kv_cache(
             query, k_blocks, v_blocks, out, query_start, seq_lens, hd ** -0.5, True, None, -1,
-            self.block_table, 0.0, schedule, None, None, 1.0, 1.0, "auto")
+            table, 0.0, schedule, None, None, 1.0, 1.0, "auto")
         return out.view(B, T, H, hd)
 
     def tensors(self) -> list[torch.Tensor]:
