@@ -376,6 +376,7 @@ def _train(cfg: RunConfig, policy: Policy, heads: MTPHeads | Eagle3Heads | None,
                        "rollout_wait_s": wait_s, "train_s": time.perf_counter() - t1,
                        "rollout_s": batch.wall_time_s, "rollout_tokens": batch.num_tokens,
                        "rollout_plain_estimate_s": json_safe(batch.plain_estimate_s),   # nan -> null
+                       "rollout_history": batch.history_sizes,
                        "policy_version": step + 1}
                 log.write(json.dumps(row) + "\n")
                 log.flush()
@@ -415,6 +416,10 @@ def rollout_speed(rows: list[dict]) -> str:
     if seconds > 0 and plain and all(p is not None for p in plain):
         line += (f"; the engine estimates plain decoding at {sum(plain):.0f}s: speculation {sum(plain) / seconds:.2f}x "
                  "(from its own round timings: docs/rl-job.md says how far to trust it)")
+    history = rows[-1].get("rollout_history") if rows else None
+    if history:
+        line += (f"\nrollout history: {history['tokens']} tokens of {history['responses']} responses to "
+                 f"{history['prompts']} prompts, {history['memory_bytes'] / 2**20:.1f} MiB")
     return line
 
 

@@ -150,6 +150,8 @@ class TorchEngine:
                 history.end_call()
         results.save(st)
         batch = completions_mod.build(prompts, results, records, sampling, self.policy_version, self.head_version)
+        if history is not None:
+            batch.history_sizes = {k: v for k, v in history.stats().items() if k != "backend"}
         batch.wall_time_s = time.perf_counter() - t0
         call_cost = clock() - cost0
         batch.compile_time_s = self.forwards.compile_time_s - compile_before

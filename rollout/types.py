@@ -216,6 +216,9 @@ class RolloutBatch:
     # what the same call would have taken decoding plainly, from the engine's round-cost model
     # (torch engine with per-row drafting; plain calls: wall_time_s; nan where it cannot tell)
     plain_estimate_s: float = float("nan")
+    # what the engine's rollout history holds after the call (RolloutHistory.stats: prompts, responses,
+    # tokens, memory_bytes, ...; summed over workers); None where no history is kept
+    history_sizes: dict[str, int] | None = None
 
     @property
     def nonfinite_draft_rounds(self) -> int:
@@ -234,6 +237,14 @@ class RolloutBatch:
         for c in self.completions:
             total = total.merge(c.spec_stats())
         return total
+
+
+def sum_history_sizes(sizes: Sequence[dict[str, int] | None]) -> dict[str, int] | None:
+    """Several engines' history sizes as one (each key summed); None where none keeps a history."""
+    kept = [s for s in sizes if s]
+    if not kept:
+        return None
+    return {key: sum(s.get(key, 0) for s in kept) for key in kept[0]}
 
 
 def check_draft_modes(draft_modes: Sequence[str]) -> list[str]:

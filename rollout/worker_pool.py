@@ -17,7 +17,7 @@ import ray
 from ray.exceptions import RayActorError
 
 from rollout.published_weights import PublishedWeights
-from rollout.types import RolloutBatch, SamplingParams
+from rollout.types import RolloutBatch, SamplingParams, sum_history_sizes
 from rollout.workers import RolloutWorker, WorkerConfig
 
 logger = logging.getLogger(__name__)
@@ -129,7 +129,8 @@ class WorkerPool:
                 self._recent[slots[c]].append((comp.prompt, comp.tokens, comp.policy_version))
         return RolloutBatch(completions, wall_time_s=max(r.wall_time_s for r in results.values()),
                             compile_time_s=max(r.compile_time_s for r in results.values()),
-                            plain_estimate_s=max_or_nan([r.plain_estimate_s for r in results.values()]))
+                            plain_estimate_s=max_or_nan([r.plain_estimate_s for r in results.values()]),
+                            history_sizes=sum_history_sizes([r.history_sizes for r in results.values()]))
 
     def _submit(self, slot: int, prompts: list[list[int]], idx: list[int], sampling: SamplingParams, chunk: int):
         return self.workers[slot].generate.remote([prompts[i] for i in idx], chunk_sampling(sampling, chunk))

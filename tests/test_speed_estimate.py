@@ -1,6 +1,7 @@
 """The engine's estimate of plain decoding, which the RL job's summary and the monitor report as
 speculation's speedup: priced by the round-cost model, rows leaving the batch as they finish."""
 import math
+from dataclasses import replace
 import time
 
 import pytest
@@ -12,7 +13,7 @@ from rollout.monitor.monitor import AcceptanceMonitor, MonitorConfig
 from rollout import torch_engine
 from rollout.engine.round_cost import cost_clock
 from rollout.torch_engine import TorchEngine
-from rollout.types import Completion, RolloutBatch, SamplingParams
+from rollout.types import Completion, RolloutBatch, SamplingParams, sum_history_sizes
 
 BUCKETS = (1, 2, 4, 8)
 
@@ -100,3 +101,23 @@ def test_monitor_and_job_summary_report_the_speedup(tmp_path):
     assert "80 tokens in 4s" in line and "20.0 tok/s" in line and "speculation 1.25x" in line
     rows[1]["rollout_plain_estimate_s"] = None
     assert "speculation" not in rollout_speed(rows)
+
+
+def test_the_rollout_historys_size_reaches_the_monitor_and_the_job_summary(tiny_policy, tiny_heads, tmp_path):
+    engine = TorchEngine(tiny_policy, tiny_heads)
+    sp = SamplingParams(max_new_tokens=12, temperature=1.0, num_draft_tokens=2, ignore_eos=True, seed=0)
+    first = engine.generate([[1, 2, 3, 4]] * 4, sp)
+    second = engine.generate([[5, 6, 7]] * 2, sp)
+    assert (first.history_sizes["prompts"], first.history_sizes["responses"]) == (1, 4)
+    assert (second.history_sizes["prompts"], second.history_sizes["responses"]) == (2, 6)
+    assert second.history_sizes["tokens"] > first.history_sizes["tokens"] >= 4 * 12
+    assert second.history_sizes["memory_bytes"] > first.history_sizes["memory_bytes"] > 0
+    assert engine.generate([[1, 2]], replace(sp, num_draft_tokens=0)).history_sizes is None   # plain: no history
+    pooled = sum_history_sizes([first.history_sizes, None, second.history_sizes])             # two workers
+    assert pooled["responses"] == 10 and sum_history_sizes([None, None]) is None
+    comps = second.completions
+    with AcceptanceMonitor(MonitorConfig(str(tmp_path), plots=False, tensorboard=False, n_boot=0)) as mon:
+        rec = mon.record_step(0, RolloutBatch(comps, wall_time_s=1.0, history_sizes=second.history_sizes))
+    assert rec["history_sizes"] == second.history_sizes
+    line = rollout_speed([{"rollout_s": 1.0, "rollout_tokens": 24, "rollout_history": second.history_sizes}])
+    assert f"rollout history: {second.history_sizes['tokens']} tokens of 6 responses to 2 prompts" in line

@@ -144,6 +144,7 @@ class AcceptanceMonitor:
             "domains": {d: self._update_group(self._domain(d), cs, step)[0]
                         for d, cs in by_domain(comps).items()},
             "drafting": drafting,
+            "history_sizes": batch.history_sizes,
             "slope_by_source": self._source_slopes(pts, step, list(calibration)),
         }
         rec["alerts"] = self._check_alerts(rec)
