@@ -316,5 +316,6 @@ class TorchEngine:
 
     def _history(self) -> RolloutHistory:
         if self.history is None:
-            self.history = RolloutHistory(backend=self.config.history_backend)
+            self.history = RolloutHistory(backend=self.config.history_backend,
+                                          max_held_tokens=self.config.history_max_tokens)
         return self.history

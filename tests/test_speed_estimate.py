@@ -12,6 +12,7 @@ from rollout.engine.round_cost import RoundCostModel
 from rollout.monitor.monitor import AcceptanceMonitor, MonitorConfig
 from rollout import torch_engine
 from rollout.engine.round_cost import cost_clock
+from rollout.engine.config import EngineConfig
 from rollout.torch_engine import TorchEngine
 from rollout.types import Completion, RolloutBatch, SamplingParams, sum_history_sizes
 
@@ -121,3 +122,8 @@ def test_the_rollout_historys_size_reaches_the_monitor_and_the_job_summary(tiny_
     assert rec["history_sizes"] == second.history_sizes
     line = rollout_speed([{"rollout_s": 1.0, "rollout_tokens": 24, "rollout_history": second.history_sizes}])
     assert f"rollout history: {second.history_sizes['tokens']} tokens of 6 responses to 2 prompts" in line
+    bounded = TorchEngine(tiny_policy, tiny_heads, config=EngineConfig(history_max_tokens=100))
+    held = [bounded.generate([[1 + i, 2, 3, 4]] * 2, sp).history_sizes["tokens"] for i in range(6)]
+    assert max(held) <= 100 and held[-1] > 0            # least recently used prompts were evicted
+    with pytest.raises(ValueError, match="history_max_tokens"):
+        EngineConfig(history_max_tokens=0)

@@ -30,6 +30,9 @@ class EngineConfig:
     draft_lengths: str = "chosen"
     draft_sources: tuple[str, ...] = ("heads", "history")   # what "chosen" may draft from
     history_backend: str = "auto"       # rollout history's suffix index: auto | arctic | python (engine.history)
+    # tokens the rollout history keeps over all prompts (least recently used prompts go first): its
+    # memory bound, ~480 bytes a token with arctic (docs/engine.md, "History backends")
+    history_max_tokens: int = 4_000_000
     probe_every: int = 16               # "chosen": heads unverified this many rounds are verified once anyway
     profile: bool = False               # time draft/verify/accept/commit per round (syncs on GPU)
 
@@ -48,6 +51,8 @@ class EngineConfig:
                              f"{self.draft_sources!r}")
         if self.history_backend not in ("auto", "arctic", "python"):
             raise ValueError(f"history_backend must be auto, arctic or python, got {self.history_backend!r}")
+        if self.history_max_tokens < 1:
+            raise ValueError(f"history_max_tokens must be >= 1, got {self.history_max_tokens}")
         if self.probe_every < 1:
             raise ValueError(f"probe_every must be >= 1, got {self.probe_every}")
 
