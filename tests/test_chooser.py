@@ -10,33 +10,40 @@ from rollout.engine.round_cost import RoundCostModel
 
 
 def _simulate(pred: AcceptancePredictor, rng, rounds: int, k: int, truth, source=HEADS, observe=True):
-    """Rounds of one row drafting k tokens with features ~ U(0, 1); token j accepted with prob truth(f_j).
-    -> (predicted, observed) conditional acceptance of every reached position."""
+    """Rounds of one row drafting k tokens with features ~ U(0, 1) (history: and a match length of 1-12);
+    token j accepted with prob truth(f_j, entropy, match). -> (predicted, observed) conditional
+    acceptance of every reached position."""
     predicted, observed = [], []
     for _ in range(rounds):
         f = rng.uniform(0, 1, k)
         entropy = rng.uniform(0, 4)
-        p = pred.predict(source, f, entropy)
+        match = int(rng.integers(1, 13)) if source == HISTORY else 0
+        p = pred.predict(source, f, entropy, match)
         accepted = 0
-        while accepted < k and rng.uniform() < truth(f[accepted], entropy):
+        while accepted < k and rng.uniform() < truth(f[accepted], entropy, match):
             accepted += 1
         for j in range(min(k, accepted + 1)):
             predicted.append(p[j])
             observed.append(1.0 if j < accepted else 0.0)
         if observe:
-            pred.observe(source, f, entropy, 0, k, accepted)
+            pred.observe(source, f, entropy, match, k, accepted)
     return np.array(predicted), np.array(observed)
 
 
-def test_predictor_is_calibrated_on_held_out_rounds():
-    """A known acceptance process (rises with the feature, falls with entropy): after training rounds, on
-    held-out rounds the predictions match the observed rates per predicted-probability bin and overall, and
-    rank better than a constant (Brier score)."""
+@pytest.mark.parametrize("source", [HEADS, HISTORY])
+def test_predictor_is_calibrated_on_held_out_rounds(source):
+    """A known acceptance process (rises with the feature, falls with entropy; history drafts: also
+    rises with the match length): after training rounds, on held-out rounds the predictions match the
+    observed rates per predicted-probability bin and overall, and rank better than a constant (Brier
+    score)."""
     rng = np.random.default_rng(0)
-    truth = lambda f, h: 0.9 * f * (1.0 - 0.15 * h)   # noqa: E731
+    if source == HEADS:
+        truth = lambda f, h, m: 0.9 * f * (1.0 - 0.15 * h)   # noqa: E731
+    else:
+        truth = lambda f, h, m: min(0.95, f * (0.4 + 0.06 * m)) * (1.0 - 0.1 * h)   # noqa: E731
     pred = AcceptancePredictor(3, halflife=1e9)
-    _simulate(pred, rng, 6000, 3, truth)
-    p, o = _simulate(pred, rng, 3000, 3, truth, observe=False)
+    _simulate(pred, rng, 6000, 3, truth, source)
+    p, o = _simulate(pred, rng, 3000, 3, truth, source, observe=False)
     assert abs(p.mean() - o.mean()) < 0.02
     bins = np.digitize(p, [0.2, 0.4, 0.6])
     for b in np.unique(bins):
