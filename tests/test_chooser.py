@@ -1,4 +1,5 @@
 """Per-row drafting decisions: the acceptance predictor, the round-cost model and the chooser."""
+import math
 from dataclasses import replace
 
 import numpy as np
@@ -307,3 +308,23 @@ def test_drafting_rounds_that_return_less_than_plain_raise_the_margin_and_good_o
     for _ in range(50):
         wasted.settle(8, replace(fixed_plan(view, 0), head_steps=1, reason="chosen"), 8, 8, 1.2 * 8 / plain_rate)
     assert wasted.margin[8] > 1.05 and wasted.returns(8) == pytest.approx(1 / 1.2)
+
+
+def test_rounds_of_a_bucket_without_a_timed_plain_round_do_not_settle():
+    """A bucket's first rounds are not priced (a shape's first use), so its plain price is a placeholder
+    until a plain round is timed: a drafting round settled against it read as a 20-50x gain and held the
+    margin at 1 for hundreds of rounds. Such rounds are left out; once a plain round is timed, losing
+    rounds raise the margin."""
+    costs = RoundCostModel()
+    chooser = DraftChooser(3, ("history",), costs=costs, probe_every=10_000)
+    plan = replace(fixed_plan(_view(8, history=[[1, 2, 3]] * 8), 2), reason="chosen")
+    costs.observe(8, 8, 0, 0.020)                        # first use of the shape: not a sample
+    costs.observe(8, 24, 0, 0.030)
+    costs.observe(8, 24, 0, 0.030)                       # a drafting round priced: plain read off it
+    assert costs.known(8) and not costs.plain_timed(8)
+    chooser.settle(8, plan, 8, 9, 0.030)                 # 9 tokens where plain makes ~8 x 0.030 / 0.020
+    assert math.isnan(chooser.returns(8)) and chooser.margin.get(8, 1.0) == 1.0
+    costs.observe(8, 8, 0, 0.020)                        # a plain round timed
+    for _ in range(40):
+        chooser.settle(8, plan, 8, 9, 0.030)
+    assert chooser.returns(8) < 0.9 and chooser.margin[8] > 1.05     # ~0.75 against the timed price

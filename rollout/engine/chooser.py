@@ -283,6 +283,11 @@ class DraftChooser:
         drafted = plan.num_drafts.any() or plan.head_steps > 0
         if plan.reason != "chosen" or not drafted or not seconds > 0 or active == 0:
             return
+        if not self.costs.plain_timed(bucket):
+            # no plain round of this bucket timed yet (a shape's first use is not): against a placeholder
+            # or a price read off drafting rounds through the prior, one round read as a gain of 20-50x
+            # and held the margin at 1 for hundreds of rounds
+            return
         decay = 0.5 ** (1.0 / RETURNS_HALFLIFE)
         made, plain = self._returns.get(bucket, (0.0, 0.0))
         made = made * decay + tokens

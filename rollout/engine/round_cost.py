@@ -143,6 +143,10 @@ class RoundCostModel:
         """Whether a round of this bucket has been timed (the prior's unit is known)."""
         return bucket in self._plain
 
+    def plain_timed(self, bucket: int) -> bool:
+        """Whether a plain round of this bucket has been timed (not only read off drafting rounds)."""
+        return bucket in self._timed_plain
+
     def coefficients(self, bucket: int) -> tuple[float, float, float]:
         """(a, b, c) in seconds: the ridge fit shrunk towards the prior."""
         if bucket in self._coef:
