@@ -260,8 +260,7 @@ class TorchEngine:
             st.heads = self._head_caches(B, L)
             st.head_len = [torch.zeros(B, dtype=torch.long, device=dev) for _ in st.heads]
             st.head_hidden = [torch.zeros_like(hidden) for _ in st.heads]
-            fill_head_caches(self.heads, self.policy, st, max(len(p) for p in prompts) + 1, prompt_aux,
-                             eager=self.forwards.compiled)
+            fill_head_caches(self.heads, self.policy, st, prompt_aux)
         results = Results(B0, L, d, sp.return_hidden_states, dtype, dev)
         return ctx, st, results
 

@@ -84,7 +84,6 @@ class RoundResult:
 
 
 READ_WINDOW_STEP = 32   # the caches' read window grows in steps of this many positions
-CATCHUP_CHUNK = 64      # positions per chunk of an eager head-cache catch-up wider than head_width
 PACK_MULTIPLE = 4       # packed forwards are padded to a multiple of this many tokens (fewer new shapes: oneDNN
                         # pays ~0.7 ms per linear for each new row count on first use)
 
@@ -297,36 +296,28 @@ def update_head_cache(ctx: RoundContext, st: DecodeState, j: int, prev_buffer: t
     The stale window is max(advance since the depth's last update, j) wide; `head_lag` bounds it
     on the host, so the number of chunks is known without reading lengths back from the device.
     Chunk positions past c-2 write scratch entries that are rewritten before anything reads them.
-    Eager forwards take the window in one chunk of the next power of two (a round that advanced one
-    or two positions computes two, not head_width), or in chunks of CATCHUP_CHUNK where it is wider
-    (the prompt, or rounds without head steps: the caches are filled when the heads are first used);
-    compiled ones keep head_width, one graph. A chunk that would run past the window is moved back
-    to end with it where the row has positions before it (entries already valid, recomputed from the
-    same inputs), so that chunks never reach far beyond the rows' lengths (and the cache's end)."""
+    Eager forwards take a window narrower than head_width in one chunk of the next power of two (a
+    round that advanced one or two positions computes two, not head_width); compiled ones keep
+    head_width, one graph."""
     c, W, L, D = st.committed, ctx.head_width, st.max_len, ctx.heads.num_depths
     rows = torch.arange(st.batch, device=c.device)[:, None]
     start = torch.minimum(st.head_len[j - 1], (c - 1 - j).clamp_min(0))
     stale = max(st.head_lag[j - 1], j)
-    if not ctx.forwards.compiled:
-        W = min(1 << (stale - 1).bit_length(), max(W, CATCHUP_CHUNK))
+    if not ctx.forwards.compiled and stale < W:
+        W = 1 << (stale - 1).bit_length()
     chunks = -(-stale // W)
     for i in range(chunks):
-        first = (start + min(i * W, stale - W)).clamp_min(0)                                    # [B]
-        pos = (first[:, None] + torch.arange(W, device=c.device)).clamp_max(L - 1 - D)          # [B, W]
+        pos = (start[:, None] + i * W + torch.arange(W, device=c.device)).clamp_max(L - 1 - D)  # [B, W]
         out = ctx.forwards.head(j - 1, prev_buffer[rows, pos], st.seq[rows, pos + j], pos, st.heads[j - 1])
         st.head_hidden[j - 1][rows, pos] = out
     st.head_len[j - 1] = c - 1
     st.head_lag[j - 1] = 0
 
 
-def fill_head_caches(heads: MTPHeads, policy: CausalLM, st: DecodeState, longest: int,
-                     prompt_aux: torch.Tensor | None = None, eager: bool = False) -> None:
-    """After prefill (c = the prompt and its first sampled token, `longest` = max c on the host).
-    Lazily by default: the depths' caches are left empty (head_len 0, a lag bound of `longest`), so
-    that the first head step fills them over the whole window (update_head_cache) and a call whose
-    rows never draft from the heads never computes them. `eager` (compiled graphs, whose chunks are
-    head_width wide) fills depth j over positions 0 .. c-1-j now, leaving head_len = c-j and a lag
-    bound of j-1 for the first round.
+def fill_head_caches(heads: MTPHeads, policy: CausalLM, st: DecodeState,
+                     prompt_aux: torch.Tensor | None = None) -> None:
+    """After prefill: depth j's cache over the committed tokens, positions 0 .. c-1-j (eager,
+    once per call); leaves head_len = c-j and a lag bound of j-1 for the first round.
 
     A drafter that reads the policy's intermediate layers (`aux_layer_ids`: EAGLE-3) gets its own
     states buffer, filled here over the prompts from the prefill's aux states (prompt_aux [B, P, n d])
@@ -336,10 +327,6 @@ def fill_head_caches(heads: MTPHeads, policy: CausalLM, st: DecodeState, longest
     if getattr(heads, "aux_layer_ids", ()):
         st.draft_states = torch.zeros_like(st.hidden)
         st.draft_states[:, :prompt_aux.shape[1]] = heads.draft_states(prompt_aux)
-    if not eager:
-        st.head_len = [torch.zeros_like(c) for _ in range(heads.num_depths)]
-        st.head_lag = [longest] * heads.num_depths
-        return
     prev_buffer = st.drafter_input
     for j in range(1, heads.num_depths + 1):
         width = int((c - j).clamp_min(1).max())
