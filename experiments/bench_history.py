@@ -1,7 +1,7 @@
 """The rollout history's two backends side by side: arctic-inference's C++ suffix tree and the
 pure-Python trie, fed the same rollout streams.
 
-    python -m experiments.bench_history [prompts=32] [group=8] [epochs=2] [tokens=256] [repeats=3]
+    python -m experiments.bench_history [key=value ...]     (--help lists the keys)
 
 The streams are GRPO-shaped: `prompts` prompts of 40 tokens, `group` rows each, `epochs` passes,
 every row's response `tokens` long, appended a token at a time per round as the engine does, with a
@@ -17,16 +17,35 @@ from __future__ import annotations
 import statistics
 import sys
 import time
+from dataclasses import dataclass, fields
 
 import numpy as np
 
+from rollout.config_loader import config_help, load_config, wants_help
 from rollout.engine.history import RolloutHistory, arctic_available
 
 VOCAB = 2000
 PROMPT_LEN = 40
 
 
-def streams(prompts: int, group: int, epochs: int, tokens: int, seed: int = 0) -> list[list[tuple[list[int], list[int]]]]:
+@dataclass(frozen=True)
+class BenchHistoryConfig:
+    """The history backends side by side on synthetic GRPO-shaped streams."""
+
+    prompts: int = 32       # distinct prompts
+    group: int = 8          # rows per prompt (one call each)
+    epochs: int = 2         # passes over the prompts (one policy version each)
+    tokens: int = 256       # response length of every row
+    repeats: int = 3        # runs per backend (interleaved); medians are printed
+
+    def __post_init__(self):
+        for f in fields(self):
+            if getattr(self, f.name) < 1:
+                raise ValueError(f"{f.name} must be >= 1, got {getattr(self, f.name)}")
+
+
+def streams(prompts: int, group: int, epochs: int, tokens: int,
+            seed: int = 0) -> list[list[tuple[list[int], list[int]]]]:
     """Per call (one call = one prompt's group in one epoch): [(prompt, response)] x group."""
     rng = np.random.default_rng(seed)
     favourite = rng.integers(0, VOCAB, size=(VOCAB, VOCAB), dtype=np.int32)   # [V, V]: the chain's likeliest next
@@ -78,25 +97,23 @@ def run(backend: str, calls, epochs: int, k: int = 3) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    opts = dict(prompts=32, group=8, epochs=2, tokens=256, repeats=3)
-    for arg in argv:
-        key, _, value = arg.partition("=")
-        if key not in opts or not value.isdigit() or int(value) < 1:
-            print(f"bench_history: {arg!r}: expected one of {sorted(opts)}=<positive integer>", file=sys.stderr)
-            return 2
-        opts[key] = int(value)
+    if wants_help(argv):
+        print(config_help(BenchHistoryConfig, usage=__doc__), end="")
+        return 0
+    cfg, _ = load_config(BenchHistoryConfig, argv)
     backends = ["python"] + (["arctic"] if arctic_available() else [])
-    calls = streams(opts["prompts"], opts["group"], opts["epochs"], opts["tokens"])
+    calls = streams(cfg.prompts, cfg.group, cfg.epochs, cfg.tokens)
     runs = {b: [] for b in backends}
-    for _ in range(opts["repeats"]):
+    for _ in range(cfg.repeats):
         for b in backends:
-            runs[b].append(run(b, calls, opts["epochs"]))
-    print(f"streams: {opts['prompts']} prompts x {opts['group']} rows x {opts['epochs']} epochs x {opts['tokens']} "
-          f"tokens; k = 3; medians of {opts['repeats']} repeats")
+            runs[b].append(run(b, calls, cfg.epochs))
+    print(f"streams: {cfg.prompts} prompts x {cfg.group} rows x {cfg.epochs} epochs x {cfg.tokens} tokens; "
+          f"k = 3; medians of {cfg.repeats} repeats")
     for b, rs in runs.items():
         med = lambda key: statistics.median(r[key] for r in rs)   # noqa: E731
-        print(f"{b:<7} append {med('append_us'):6.1f} us/row-round  propose {med('propose_us'):6.1f} us/row-round  "
-              f"drafted {med('drafted'):.2f} of proposals  memory {med('memory_mb'):7.1f} MiB  tokens {rs[0]['tokens']}")
+        print(f"{b:<7} append {med('append_us'):6.1f} us/row-round  propose {med('propose_us'):6.1f} us/row-round"
+              f"  drafted {med('drafted'):.2f} of proposals  memory {med('memory_mb'):7.1f} MiB"
+              f"  tokens {rs[0]['tokens']}")
     if len(backends) == 2:
         a, b = runs["python"][0]["drafts"], runs["arctic"][0]["drafts"]
         print(f"drafts equal between the backends: {np.mean([x == y for x, y in zip(a, b)]):.3f} of proposals")

@@ -265,9 +265,9 @@ class DraftChooser:
     def _round_pays(self, bucket: int, rows: int, active: int, head_steps: int, expected: float,
                     drafts: int) -> bool:
         """Whether verifying `drafts` drafts expected to add `expected` tokens beats a plain round of
-        `rows` computed rows, the head steps being spent either way. `expected` is computed from what was known before each row's
-        first draft was drawn (the heads' first feature and per-position levels, or history counts),
-        so dropping a row's drafts here never depends on the tokens drafted."""
+        `rows` computed rows, the head steps being spent either way. `expected` is computed from what
+        was known before each row's first draft was drawn (the heads' first feature and per-position
+        levels, or history counts), so dropping a row's drafts here never depends on the tokens drafted."""
         spent = self.costs.coefficients(bucket)[2] * head_steps
         drafting = self.costs.seconds(bucket, rows + drafts, head_steps)
         plain = self.costs.plain_seconds(bucket, rows) + spent

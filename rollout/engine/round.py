@@ -4,8 +4,9 @@ Each row drafts its own number of tokens from its own source (rollout.engine.cho
 rollout history, or nothing); a plan with no drafts is a plain decoding step. Verification is one
 target forward over every unfinished row's pending token and drafts: packed (each row's tokens
 only, the paged attention kernel takes per-row query lengths; rows that finished are left out) where
-the cache is paged and a row drafted or finished, else padded to the longest row's width. The round's host synchronisations are the heads' draft features (when heads
-drafted) and the engine's stop check after it.
+the cache is paged and a row drafted or finished, else padded to the longest row's width. The
+round's host synchronisations are the heads' draft features (when heads drafted) and the engine's
+stop check after it.
 """
 from __future__ import annotations
 
@@ -132,7 +133,8 @@ def run_round(ctx: RoundContext, st: DecodeState, view: RowView, chooser: DraftC
         pending = st.seq.gather(1, (c - 1)[:, None])                                       # [B, 1]
         tokens = torch.cat([pending, drafts], dim=1)                                       # [B, k+1]
         live = np.flatnonzero(view.active)                                                 # [S] host
-        if isinstance(st.target, PagedKVCache) and not ctx.forwards.compiled and 0 < live.size and (k > 0 or live.size < B):
+        packs = isinstance(st.target, PagedKVCache) and not ctx.forwards.compiled
+        if packs and 0 < live.size and (k > 0 or live.size < B):
             hidden, index, verified = _verify_packed(ctx, st, tokens, num_drafts, live)   # [N, d], [B, k+1]
         else:
             width = bucket(k + 1, ctx.verify_widths)
