@@ -2,7 +2,8 @@
 
 Rows live in a batch bucket (rollout.engine.config); `row_ids` maps each slot to its prompt
 (-1 for padding). When the unfinished rows fit a smaller bucket, `compact` gathers them there
-and hands the finished ones to `Results`, so that finished rows cost nothing.
+and hands the finished ones to `Results`; until then packed verification leaves finished rows out
+of its forwards (rollout.engine.round), so that they cost nothing either way.
 
 Invariants per row b, with c[b] = committed tokens (prompt + emitted):
   * seq[b, :c]   holds them; seq[b, c-1] (the pending token) is not yet in the target cache;
