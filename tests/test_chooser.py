@@ -5,7 +5,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from rollout.engine.chooser import NONE, DraftChooser, RowView, fixed_plan
+from rollout.engine.chooser import NONE, PAUSE_AFTER, DraftChooser, RoundPlan, RowView, fixed_plan
 from rollout.engine.predictor import HEADS, HISTORY, AcceptancePredictor, feature_bin
 from rollout.engine.round_cost import RoundCostModel
 
@@ -328,3 +328,36 @@ def test_rounds_of_a_bucket_without_a_timed_plain_round_do_not_settle():
     for _ in range(40):
         chooser.settle(8, plan, 8, 9, 0.030)
     assert chooser.returns(8) < 0.9 and chooser.margin[8] > 1.05     # ~0.75 against the timed price
+
+
+def test_a_bucket_whose_rounds_draft_nothing_pauses_its_choosing_for_doubling_stretches():
+    """After PAUSE_AFTER chosen rounds that drafted nothing the bucket's rounds run plain without
+    looking, probe_every rounds at first and twice as long after each round between pauses that still
+    drafts nothing; paused rounds count towards the probes; a chosen round that drafts resets it all;
+    probes and timed plain rounds are no choices."""
+    chooser = DraftChooser(3, ("heads", "history"), costs=_plain_costs(), probe_every=4)
+    view = _view(8)
+    nothing = RoundPlan(0, np.full(8, NONE), np.zeros(8, dtype=np.int64), [np.zeros(0)] * 8, [np.zeros(0)] * 8)
+    drafted = replace(fixed_plan(view, 1), reason="chosen", features=[np.array([0.5])] * 8)
+
+    def run(rounds, plan=nothing):
+        looked = []
+        for _ in range(rounds):
+            if not chooser.paused(8):
+                looked.append(True)
+                chooser.observe(view, plan, np.zeros(8, dtype=np.int64))
+            else:
+                looked.append(False)
+        return looked
+
+    looked = run(PAUSE_AFTER + 4 + 1 + 8 + 1 + 16)
+    assert looked[:PAUSE_AFTER] == [True] * PAUSE_AFTER
+    assert looked[PAUSE_AFTER:] == [False] * 4 + [True] + [False] * 8 + [True] + [False] * 16
+    before = chooser.rounds_without_heads
+    assert not chooser.paused(8) and chooser.rounds_without_heads == before     # not paused: no count
+    probe = replace(nothing, reason="probe")
+    chooser.observe(view, probe, np.zeros(8, dtype=np.int64))                   # a probe is no choice
+    assert not chooser.paused(8)
+    chooser.observe(view, drafted, np.zeros(8, dtype=np.int64))                 # a round that drafted
+    assert run(PAUSE_AFTER) == [True] * PAUSE_AFTER and run(1) == [False]       # from the start again
+    assert chooser.rounds_without_heads > before

@@ -10,6 +10,7 @@ import torch
 import rollout.engine.round as round_module
 from rollout.engine.chooser import DraftChooser
 from rollout.engine.config import EngineConfig
+from rollout.engine.history import RolloutHistory
 from rollout.engine.predictor import HISTORY
 from rollout.models.decoder import random_model
 from rollout.torch_engine import TorchEngine
@@ -144,3 +145,22 @@ def test_packed_verification_writes_each_rows_cache_like_a_fresh_prefill(monkeyp
         full = torch.tensor([c.prompt + c.tokens])
         hidden = policy.hidden_states(full)[0, len(c.prompt) - 1:len(c.prompt) - 1 + len(c.tokens)]
         assert np.allclose(c.hidden_states, hidden.numpy(), atol=1e-4)
+
+
+def test_an_engine_whose_drafts_never_pay_pauses_its_choosing_and_decodes_as_plain(tiny_policy, tiny_heads,
+                                                                                    monkeypatch):
+    """Nothing worth drafting (an infinite threshold): the rounds soon run plain without history lookups
+    or choices, the rollout history still learns every token, and the tokens are plain decoding's."""
+    monkeypatch.setattr(DraftChooser, "threshold", lambda self, bucket, active, rows=None: float("inf"))
+    lookups = []
+    propose = RolloutHistory.propose
+    monkeypatch.setattr(RolloutHistory, "propose", lambda self, row, k: lookups.append(row) or propose(self, row, k))
+    sp = SamplingParams(max_new_tokens=150, temperature=0, ignore_eos=True)
+    plain = TorchEngine(tiny_policy).generate(MIXED_PROMPTS, sp)
+    engine = TorchEngine(tiny_policy, tiny_heads)
+    out = engine.generate(MIXED_PROMPTS, replace(sp, num_draft_tokens=3))
+    assert [c.tokens for c in out.completions] == [c.tokens for c in plain.completions]
+    rounds = 150 - 1
+    assert len(lookups) < 0.6 * rounds * len(MIXED_PROMPTS)          # most rounds did not look
+    assert engine.history.stats()["responses"] == len(MIXED_PROMPTS)
+    assert out.history_sizes["tokens"] >= 150 * len(MIXED_PROMPTS)   # every token reached the history

@@ -28,6 +28,12 @@ towards 1. The predictor and the cost model can each be right on average and the
 them still lose (the rows and sources chosen are those whose estimates came out high), and at large
 batches a few percent of error decides whether drafting pays; the margin is decided from past
 rounds only, so it keeps verification lossless.
+Where nothing is worth drafting the choosing itself costs (the history lookups, the choice and its
+learning: ~1 ms of a 22-30 ms round at batch 8-16 on 2 CPU cores): after PAUSE_AFTER chosen rounds of a
+bucket that drafted nothing, its next rounds run plain without looking (`paused`), for a stretch that
+starts at probe_every rounds and doubles, up to PROBE_BACKOFF_MAX times, while the rounds between
+stretches still choose nothing; a chosen round that drafts resets it. Paused rounds count towards the
+probes' waits, so a source is still tested now and then.
 Rows whose history draft is worth more than the heads' take the history draft. When a source has
 not been verified for `probe_every` rounds (it looked not worth it), one round verifies it anyway:
 one head token per row, or the history drafts of the rows that have one. Estimates that are never
@@ -54,6 +60,7 @@ RETURNS_HALFLIFE = 32.0     # drafting rounds
 HEAD_ROUNDS_HALFLIFE = 32.0  # rounds with head steps
 HEAD_ROUNDS_MIN = 4.0        # such rounds before their record replaces the per-position levels
 PROBE_BACKOFF_MAX = 8        # the longest wait between probes of a source, in units of probe_every
+PAUSE_AFTER = 32             # chosen rounds of a bucket that drafted nothing before its choosing pauses
 
 
 @dataclass
@@ -106,6 +113,9 @@ class DraftChooser:
                                                    # (rounds, head tokens expected per row, head drafts per row)
         self.margin: dict[int, float] = {}         # bucket -> factor drafting must promise over plain
         self._returns: dict[int, tuple[float, float]] = {}   # bucket -> decayed (tokens made, plain's tokens)
+        self._idle: dict[int, int] = {}            # bucket -> chosen rounds in a row that drafted nothing
+        self._pause: dict[int, int] = {}           # bucket -> length of its next pause (rounds)
+        self._paused: dict[int, int] = {}          # bucket -> rounds left in its current pause
 
     # ------------------------------------------------------------------ threshold
     def threshold(self, bucket: int, active: int, rows: int | None = None) -> float:
@@ -309,12 +319,38 @@ class DraftChooser:
         self._head_rounds.clear()
 
     def observe(self, view: RowView, plan: RoundPlan, num_accepted: np.ndarray) -> None:
-        """Verification's outcome for every row that drafted (the predictor learns from it)."""
+        """Verification's outcome for every row that drafted (the predictor learns from it), and
+        whether the bucket's choosing should pause."""
         for b in np.flatnonzero(plan.num_drafts > 0):
             b = int(b)
             match = int(view.history_match[b]) if plan.source[b] == HISTORY else 0
             self.predictor.observe(int(plan.source[b]), plan.features[b], float(view.entropy[b]), match,
                                    int(plan.num_drafts[b]), int(num_accepted[b]))
+        if plan.reason == "chosen":          # probes and timed plain rounds were not choices
+            self._count_idle(view.active.shape[0], bool(plan.num_drafts.any() or plan.head_steps > 0))
+
+    def _count_idle(self, bucket: int, drafted: bool) -> None:
+        if drafted:
+            self._idle[bucket], self._pause[bucket] = 0, self.probe_every
+            return
+        self._idle[bucket] = self._idle.get(bucket, 0) + 1
+        if self._idle[bucket] >= PAUSE_AFTER:
+            pause = self._pause.get(bucket, self.probe_every)
+            self._paused[bucket] = pause
+            self._pause[bucket] = min(2 * pause, PROBE_BACKOFF_MAX * self.probe_every)
+            self._idle[bucket] = PAUSE_AFTER - 1      # one more round that drafts nothing pauses again
+
+    def paused(self, bucket: int) -> bool:
+        """Whether this round of `bucket` runs plain without looking at history or choosing (the
+        engine still times it and appends its tokens to the history); counts the round as one
+        without either source for the probes."""
+        left = self._paused.get(bucket, 0)
+        if left <= 0:
+            return False
+        self._paused[bucket] = left - 1
+        self.rounds_without_heads += self.use_heads
+        self.rounds_without_history += self.use_history
+        return True
 
 
 def fixed_plan(view: RowView, k: int) -> RoundPlan:
