@@ -203,6 +203,8 @@ def test_memory_bounds_hold_and_stats_report_them(backend):
         h.end_call()
         s = h.stats()
         sizes.append(s["memory_bytes"])
+        walked = sum(e.index.memory_bytes() for e in h._entries.values()) + h._global.memory_bytes()
+        assert s["memory_bytes"] == walked              # the cached sizes follow appends and removals
         assert s["backend"] == backend
         assert s["prompts"] <= 3 and s["responses"] <= 3 * 2
         assert s["window_responses"] <= 4 and s["window_tokens"] <= 300

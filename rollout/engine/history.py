@@ -449,7 +449,7 @@ class PythonSuffixIndex:
 class _Entry:
     """One distinct prompt: its index holds the prompt (seq 0) and its kept responses."""
 
-    __slots__ = ("index", "responses", "next_seq", "tokens", "active")
+    __slots__ = ("index", "responses", "next_seq", "tokens", "active", "memory")
 
     def __init__(self, index: SuffixIndex, prompt: list[int]):
         self.index = index
@@ -457,6 +457,7 @@ class _Entry:
         self.next_seq = 1
         self.tokens = len(prompt)
         self.active = 0                     # rows of the open call using this entry
+        self.memory: int | None = None      # index.memory_bytes() since its last change (None: changed)
         index.extend(0, prompt)
 
 
@@ -594,6 +595,7 @@ class RolloutHistory:
         n = len(stored)
         if resp.local:
             r.entry.index.extend(resp.seq, stored)
+            r.entry.memory = None
             r.entry.tokens += n
             self._tokens += n
         if resp.gseq is not None:
@@ -659,6 +661,7 @@ class RolloutHistory:
         del entry.responses[resp.seq]
         if resp.tokens:
             entry.index.remove(resp.seq)
+            entry.memory = None
             entry.tokens -= resp.tokens
             self._tokens -= resp.tokens
 
@@ -689,7 +692,11 @@ class RolloutHistory:
     # --- reporting --------------------------------------------------------------------------
 
     def stats(self) -> dict:
-        """Sizes held (memory_bytes walks arctic's trees: for logging, not per round)."""
+        """Sizes held. memory_bytes walks the trees of the prompts whose index changed since the last
+        call (and the window's): ~11 ms for 144k tokens in all, so every call paid it in full before."""
+        for e in self._entries.values():
+            if e.memory is None:
+                e.memory = e.index.memory_bytes()
         return {
             "backend": self.backend,
             "prompts": len(self._entries),
@@ -697,6 +704,5 @@ class RolloutHistory:
             "tokens": self._tokens,
             "window_responses": len(self._window),
             "window_tokens": self._window_tokens,
-            "memory_bytes": (sum(e.index.memory_bytes() for e in self._entries.values())
-                             + self._global.memory_bytes()),
+            "memory_bytes": sum(e.memory for e in self._entries.values()) + self._global.memory_bytes(),
         }
