@@ -142,7 +142,7 @@ class TorchEngine:
                         chooser.costs.observe(st.batch, r.verified_tokens, r.plan.head_steps, seconds, context)
                         if choosing is not None:
                             chooser.settle(st.batch, r.plan, int(view.active.sum()), int(count.sum()), seconds,
-                                           context)
+                                           context, view.plain_rows(st.batch))
                 if history is not None:
                     out = r.emitted.cpu().numpy()
                     for slot in np.flatnonzero(count > 0):

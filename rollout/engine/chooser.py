@@ -89,7 +89,6 @@ class RoundPlan:
     predicted: list[np.ndarray]              # per row: predicted conditional acceptance of each kept draft
     features: list[np.ndarray]               # per row: the feature of each kept draft (predictor input)
     reason: str = "chosen"                   # chosen | probe (heads) | probe_history | fixed
-    plain_rows: int | None = None            # rows a plain round of this batch computes (None: the bucket)
 
     @property
     def width(self) -> int:
@@ -234,7 +233,6 @@ class DraftChooser:
         self.rounds_without_history = (0 if (plan.source == HISTORY).any() or not self.use_history
                                        else self.rounds_without_history + 1)
         plan.reason = "probe" if probe else "probe_history" if probe_history else "chosen"
-        plan.plain_rows = rows
         self._history_options = None
         return plan
 
@@ -284,10 +282,11 @@ class DraftChooser:
         return (active + expected) / drafting >= self.margin.get(bucket, 1.0) * active / plain
 
     def settle(self, bucket: int, plan: RoundPlan, active: int, tokens: int, seconds: float,
-               context: float = 0.0) -> None:
+               context: float = 0.0, rows: int | None = None) -> None:
         """A chosen drafting round's outcome: `tokens` made by `active` rows in `seconds` (the cost
         clock's) at a mean context of `context` tokens, against the tokens plain rounds of this bucket
-        make in that time at the same context (RoundCostModel.context_factor). A round that ran
+        make in that time at the same context (RoundCostModel.context_factor), a plain round computing
+        `rows` rows (None: the bucket; RowView.plain_rows). A round that ran
         head steps and then verified nothing (no row's draft was worth it) counts: its head steps
         were spent on drafting."""
         drafted = plan.num_drafts.any() or plan.head_steps > 0
@@ -302,7 +301,7 @@ class DraftChooser:
         made, plain = self._returns.get(bucket, (0.0, 0.0))
         made = made * decay + tokens
         seconds = seconds / self.costs.context_factor(bucket, context)    # priced as the model prices plain rounds
-        plain = plain * decay + active * seconds / self.costs.plain_seconds(bucket, plan.plain_rows)
+        plain = plain * decay + active * seconds / self.costs.plain_seconds(bucket, rows)
         self._returns[bucket] = (made, plain)
         step = MARGIN_STEP * (1.0 - made / plain)
         self.margin[bucket] = min(MARGIN_MAX, max(1.0, self.margin.get(bucket, 1.0) * math.exp(step)))
