@@ -121,32 +121,34 @@ class TorchEngine:
             while n_active > 0:
                 if bucket(n_active, self.config.batch_buckets) < st.batch:
                     st = self._compact(st, results, n_active, ctx)
-                paused = chooser is not None and chooser.paused(st.batch)     # a plain round, not chosen
-                choosing = chooser if not paused else None
+                # a round's cost-clock time spans its host work too (history lookups, the choice, what
+                # the chooser and history learn): drafting rounds are priced with what they cost beyond
+                # a plain round's, the plain rounds of a choosing engine do none of it
+                t_round, compile_s = clock(), self.forwards.compile_time_s
+                plain = chooser is not None and chooser.plain_round(st.batch)
+                choosing = chooser if not plain else None
                 view = self._row_view(st, history if choosing is not None else None, handles,
                                       k_max if choosing is not None else 0)      # the fixed lengths look at none
-                t_round, compile_s = clock(), self.forwards.compile_time_s
                 before = st.committed.clone()
-                r = run_round(ctx, st, view, choosing, 0 if paused else k_max)
+                r = run_round(ctx, st, view, choosing, 0 if plain else k_max)
                 if r.k > 0:
                     records.append(r)
                 # the round's host synchronisation: the stop check, and what the chooser and history learn from
                 count = (st.committed - before).cpu().numpy()
                 n_active = int((~st.finished).sum())
-                if chooser is not None:
-                    if choosing is not None:
-                        chooser.observe(view, r.plan, r.num_accepted.cpu().numpy())
-                    if self.forwards.compile_time_s == compile_s:      # a round that compiled is no cost sample
-                        seconds = clock() - t_round
-                        context = float(before.cpu().numpy()[view.active].mean()) if view.active.any() else 0.0
-                        chooser.costs.observe(st.batch, r.verified_tokens, r.plan.head_steps, seconds, context)
-                        if choosing is not None:
-                            chooser.settle(st.batch, r.plan, int(view.active.sum()), int(count.sum()), seconds,
-                                           context, view.plain_rows(st.batch))
+                if choosing is not None:
+                    chooser.observe(view, r.plan, r.num_accepted.cpu().numpy())
                 if history is not None:
                     out = r.emitted.cpu().numpy()
                     for slot in np.flatnonzero(count > 0):
                         history.append(handles[int(view.row_ids[slot])], out[slot, :count[slot]].tolist())
+                if chooser is not None and self.forwards.compile_time_s == compile_s:   # a compiling round is no sample
+                    seconds = clock() - t_round
+                    context = float(before.cpu().numpy()[view.active].mean()) if view.active.any() else 0.0
+                    chooser.costs.observe(st.batch, r.verified_tokens, r.plan.head_steps, seconds, context)
+                    if choosing is not None:
+                        chooser.settle(st.batch, r.plan, int(view.active.sum()), int(count.sum()), seconds,
+                                       context, view.plain_rows(st.batch))
                 if progress is not None:
                     drafted = r.num_drafts.cpu().numpy()
                     progress(int(count.sum()), int(np.minimum(r.num_accepted.cpu().numpy(), drafted).sum()),

@@ -191,6 +191,25 @@ def test_head_steps_whose_drafts_are_not_worth_verifying_stop_being_run():
             assert steps[0] == 1 and sum(drafted) == 0 and steps[-6:] == [0] * 6, steps
 
 
+def test_head_steps_must_promise_the_buckets_margin_over_a_plain_round():
+    """Heads whose rounds returned ~0.5 tokens per row pay for a head step at margin 1; once losing
+    rounds have raised the bucket's margin beyond what they promise, no head step runs (a head_steps()
+    that ignored the margin kept buying head steps from its record of earlier rounds while the margin
+    priced every row's drafts out: most rounds ran a head step to verify nothing)."""
+    view = _view(8)
+    steps = {}
+    for margin in (1.0, 1.2, 2.0):
+        chooser = DraftChooser(1, ("heads",), costs=_plain_costs(), probe_every=1000)
+        for _ in range(400):
+            chooser.predictor.observe(HEADS, np.array([0.95]), 1.0, 0, 1, 1)
+            chooser.predictor.observe(HEADS, np.array([0.05]), 1.0, 0, 1, 0)
+        chooser.margin[8] = margin
+        steps[margin] = chooser.head_steps(8, view)
+    # a round with one head step and 8 drafts costs 0.1 * (0.84 + 0.32 + 0.05) = 0.121 s for 8 + 8 * 0.5
+    # tokens: 1.24x plain's rate, so margin 1.2 still runs it and margin 2 does not
+    assert steps == {1.0: 1, 1.2: 1, 2.0: 0}, steps
+
+
 def test_what_is_verified_at_position_j_never_depends_on_what_was_drafted_after_it():
     """Losslessness needs the decision to verify draft j to be made on what was known when it was drafted
     (its distribution's feature and earlier ones), not on later positions, which depend on the drafted token."""
@@ -258,6 +277,10 @@ def test_a_plain_round_is_timed_every_probe_every_drafting_rounds():
     view = _view(8, history=[[1, 2, 3]] * 8)
     reasons = []
     for _ in range(12):
+        if chooser.plain_round(8):
+            reasons.append("plain")
+            chooser.costs.observe(8, 8, 0, 0.1)
+            continue
         h = chooser.head_steps(8, view)
         plan = chooser.assign(8, view, h, None)
         reasons.append(plan.reason)
@@ -343,7 +366,7 @@ def test_a_bucket_whose_rounds_draft_nothing_pauses_its_choosing_for_doubling_st
     def run(rounds, plan=nothing):
         looked = []
         for _ in range(rounds):
-            if not chooser.paused(8):
+            if not chooser.plain_round(8):
                 looked.append(True)
                 chooser.observe(view, plan, np.zeros(8, dtype=np.int64))
             else:
@@ -354,10 +377,13 @@ def test_a_bucket_whose_rounds_draft_nothing_pauses_its_choosing_for_doubling_st
     assert looked[:PAUSE_AFTER] == [True] * PAUSE_AFTER
     assert looked[PAUSE_AFTER:] == [False] * 4 + [True] + [False] * 8 + [True] + [False] * 16
     before = chooser.rounds_without_heads
-    assert not chooser.paused(8) and chooser.rounds_without_heads == before     # not paused: no count
+    assert not chooser.plain_round(8) and chooser.rounds_without_heads == before     # not paused: no count
     probe = replace(nothing, reason="probe")
     chooser.observe(view, probe, np.zeros(8, dtype=np.int64))                   # a probe is no choice
-    assert not chooser.paused(8)
+    assert not chooser.plain_round(8)
     chooser.observe(view, drafted, np.zeros(8, dtype=np.int64))                 # a round that drafted
     assert run(PAUSE_AFTER) == [True] * PAUSE_AFTER and run(1) == [False]       # from the start again
     assert chooser.rounds_without_heads > before
+    chooser = DraftChooser(3, ("heads", "history"), costs=_plain_costs(), probe_every=4)
+    head_steps_only = replace(nothing, head_steps=1)          # head steps that verified nothing drafted nothing
+    assert run(PAUSE_AFTER, head_steps_only) == [True] * PAUSE_AFTER and run(1) == [False]

@@ -18,8 +18,12 @@ the h with the most expected tokens per modelled second: at first under the pred
 levels, then on what recent rounds with h head steps returned per row (the expected tokens of the head
 drafts verified, rows whose drafts were not worth it counting zero). The levels alone assume every row
 drafts at the average level; when rows' own features split around the threshold, many rounds ran the
-head steps and then verified nothing, each dearer than a plain round.
-Every `probe_every` drafting rounds one round runs plain, so that the plain price stays measured.
+head steps and then verified nothing, each dearer than a plain round. Head steps must promise the
+bucket's margin over a plain round, as the round's drafts must (below): without it, a margin raised
+by losing rounds priced the rows' drafts out while the record of earlier rounds still bought head
+steps, and most rounds ran head steps to verify nothing.
+Every `probe_every` drafting rounds one round runs plain (`plain_round`, without history lookups),
+so that the plain price stays measured.
 
 What drafting rounds actually returned closes the loop (`settle`): per bucket, the tokens they made
 against what plain decoding makes in the same time. While that falls short, the margin drafting
@@ -30,7 +34,7 @@ batches a few percent of error decides whether drafting pays; the margin is deci
 rounds only, so it keeps verification lossless.
 Where nothing is worth drafting the choosing itself costs (the history lookups, the choice and its
 learning: ~1 ms of a 22-30 ms round at batch 8-16 on 2 CPU cores): after PAUSE_AFTER chosen rounds of a
-bucket that drafted nothing, its next rounds run plain without looking (`paused`), for a stretch that
+bucket that drafted nothing, its next rounds run plain without looking (`plain_round`), for a stretch that
 starts at probe_every rounds and doubles, up to PROBE_BACKOFF_MAX times, while the rounds between
 stretches still choose nothing; a chosen round that drafts resets it. Paused rounds count towards the
 probes' waits, so a source is still tested now and then.
@@ -106,7 +110,6 @@ class DraftChooser:
         self.rounds_without_heads = 0
         self.rounds_without_history = 0
         self.probe_wait = {HEADS: probe_every, HISTORY: probe_every}   # rounds without a source before its probe
-        self._plain_round = False                  # head_steps() decided this round times a plain round
         self._history_options: tuple | None = None   # (view, tau, per-row options) head_steps() computed
         self._head_rounds: dict[tuple[int, int], tuple[float, float, float]] = {}   # (bucket, h) -> decayed
                                                    # (rounds, head tokens expected per row, head drafts per row)
@@ -145,8 +148,7 @@ class DraftChooser:
     def head_steps(self, bucket: int, view: RowView) -> int:
         """How many head steps this round runs (0 = none), from per-position levels."""
         active = np.flatnonzero(view.active)
-        self._plain_round = active.size > 0 and self.costs.plain_due(bucket, self.probe_every)
-        if not self.use_heads or self.k_max == 0 or active.size == 0 or self._plain_round:
+        if not self.use_heads or self.k_max == 0 or active.size == 0:
             return 0
         if self.rounds_without_heads >= self.probe_wait[HEADS]:
             return 1
@@ -155,7 +157,8 @@ class DraftChooser:
         hist = [self._history_option(view, int(b), tau) for b in active]
         self._history_options = (view, tau, dict(zip(active.tolist(), hist)))
         reach_all = np.cumprod(self._heads_levels(self.k_max))
-        best_h, best_rate = 0, None
+        margin = self.margin.get(bucket, 1.0)
+        best_h, best_rate = 0, active.size / self.costs.plain_seconds(bucket, rows)    # a plain round
         for h in range(self.k_max + 1):
             tokens, verified = float(active.size), rows
             reach = reach_all[:h]
@@ -170,7 +173,9 @@ class DraftChooser:
                 else:
                     tokens, verified = tokens + e_hist, verified + n_hist
             rate = tokens / self.costs.seconds(bucket, verified, h)
-            if best_rate is None or rate > best_rate * (1 + 1e-9):
+            if verified > rows or h:    # drafting must beat plain by the margin, as in _round_pays
+                rate /= margin
+            if rate > best_rate * (1 + 1e-9):
                 best_h, best_rate = h, rate
         return best_h
 
@@ -179,10 +184,6 @@ class DraftChooser:
         """Per row: source and drafts kept. head_feature [B, head_steps]: the max probability of
         the heads' distribution at each drafted position (None without head steps)."""
         B = view.active.shape[0]
-        if self._plain_round and head_steps == 0:
-            self._plain_round = False
-            return RoundPlan(0, np.full(B, NONE), np.zeros(B, dtype=np.int64), [np.zeros(0)] * B,
-                             [np.zeros(0)] * B, "plain")
         active = np.flatnonzero(view.active)
         probe = head_steps > 0 and self.rounds_without_heads >= self.probe_wait[HEADS]
         probe_history = (not probe and self.use_history and self.rounds_without_history >= self.probe_wait[HISTORY]
@@ -325,8 +326,8 @@ class DraftChooser:
             match = int(view.history_match[b]) if plan.source[b] == HISTORY else 0
             self.predictor.observe(int(plan.source[b]), plan.features[b], float(view.entropy[b]), match,
                                    int(plan.num_drafts[b]), int(num_accepted[b]))
-        if plan.reason == "chosen":          # probes and timed plain rounds were not choices
-            self._count_idle(view.active.shape[0], bool(plan.num_drafts.any() or plan.head_steps > 0))
+        if plan.reason == "chosen":          # probes were not choices; head steps that verified nothing drafted nothing
+            self._count_idle(view.active.shape[0], bool(plan.num_drafts.any()))
 
     def _count_idle(self, bucket: int, drafted: bool) -> None:
         if drafted:
@@ -339,10 +340,13 @@ class DraftChooser:
             self._pause[bucket] = min(2 * pause, PROBE_BACKOFF_MAX * self.probe_every)
             self._idle[bucket] = PAUSE_AFTER - 1      # one more round that drafts nothing pauses again
 
-    def paused(self, bucket: int) -> bool:
+    def plain_round(self, bucket: int) -> bool:
         """Whether this round of `bucket` runs plain without looking at history or choosing (the
-        engine still times it and appends its tokens to the history); counts the round as one
-        without either source for the probes."""
+        engine still times it and appends its tokens to the history): the plain round the cost model
+        is due every probe_every drafting rounds, or a pause (which counts as a round without either
+        source for the probes). A timed plain round does no lookups, so its price is plain decoding's."""
+        if self.k_max > 0 and self.costs.plain_due(bucket, self.probe_every):
+            return True
         left = self._paused.get(bucket, 0)
         if left <= 0:
             return False
