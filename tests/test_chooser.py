@@ -357,7 +357,7 @@ def test_a_bucket_whose_rounds_draft_nothing_pauses_its_choosing_for_doubling_st
     """After PAUSE_AFTER chosen rounds that drafted nothing the bucket's rounds run plain without
     looking, probe_every rounds at first and twice as long after each round between pauses that still
     drafts nothing; paused rounds count towards the probes; a chosen round that drafts resets it all;
-    probes and timed plain rounds are no choices."""
+    probes are no choices, and head steps that verified nothing drafted nothing."""
     chooser = DraftChooser(3, ("heads", "history"), costs=_plain_costs(), probe_every=4)
     view = _view(8)
     nothing = RoundPlan(0, np.full(8, NONE), np.zeros(8, dtype=np.int64), [np.zeros(0)] * 8, [np.zeros(0)] * 8)

@@ -345,7 +345,7 @@ class DraftChooser:
         engine still times it and appends its tokens to the history): the plain round the cost model
         is due every probe_every drafting rounds, or a pause (which counts as a round without either
         source for the probes). A timed plain round does no lookups, so its price is plain decoding's."""
-        if self.k_max > 0 and self.costs.plain_due(bucket, self.probe_every):
+        if self.costs.plain_due(bucket, self.probe_every):
             return True
         left = self._paused.get(bucket, 0)
         if left <= 0:
