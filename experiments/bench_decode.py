@@ -62,6 +62,8 @@ class BenchDecodeConfig:
     group_size: int = 8                    # rows per prompt in a batch (GRPO groups)
     temperature: float = 1.0
     max_new_tokens: int = 128
+    ignore_eos: bool = True                # every row makes max_new_tokens (equal work per setting); false: rows
+                                           # stop at EOS as in the RL job (lengths differ between settings)
     repeats: int = 3                       # interleaved repeats, each on its own prompts; medians are reported
     history_epochs: int = 1                # untimed passes over the measured prompts first (earlier epochs)
     tasks: TaskConfig = field(default_factory=lambda: TaskConfig(num_prompts=64, heldout_prompts=0))
@@ -174,7 +176,7 @@ def bench(policy, heads, cfg: BenchDecodeConfig, batches: dict[int, list], label
     for B, repeats in batches.items():
         sps = {name: SamplingParams(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
                                     num_draft_tokens=0 if name == "plain" else cfg.num_draft_tokens,
-                                    draft_mode=cfg.draft_mode, ignore_eos=True)
+                                    draft_mode=cfg.draft_mode, ignore_eos=cfg.ignore_eos)
                for name in cfg.settings}
         t0 = time.perf_counter()
         for epoch in range(cfg.history_epochs):     # earlier epochs over the same prompts: history, warm shapes
@@ -191,18 +193,23 @@ def bench(policy, heads, cfg: BenchDecodeConfig, batches: dict[int, list], label
             row = dict(engine=label, batch=B, setting=name, temperature=cfg.temperature, tok_s=med("tok_s"),
                        ratio_to_plain=statistics.median(x["tok_s"] / p["tok_s"] for x, p in zip(rs, runs["plain"])),
                        all_ratios=[x["tok_s"] / p["tok_s"] for x, p in zip(rs, runs["plain"])],
+                       # tokens over seconds of all repeats against plain's: what a job decoding these batches
+                       # sees; with rows stopping at EOS each repeat's lengths differ between settings, and
+                       # the per-repeat ratios scatter with them
+                       pooled_ratio=(sum(x["tokens"] for x in rs) / sum(x["decode_s"] for x in rs))
+                       / (sum(p["tokens"] for p in runs["plain"]) / sum(p["decode_s"] for p in runs["plain"])),
                        speedup_estimate=med("speedup_estimate"), margin=med("margin"),
                        acceptance=med("acceptance") if name != "plain" else None,
-                       tokens_per_round=med("tokens_per_round"), mean_drafts=med("mean_drafts"),
+                       tokens_per_round=med("tokens_per_round"), tokens_per_row=med("tokens") / B, mean_drafts=med("mean_drafts"),
                        share={src: statistics.median(x["share"][src] for x in rs) for src in ("heads", "history")},
                        phase_ms={p: statistics.median(x["phase_ms"][p] for x in rs) for p in PHASES},
                        warmup_s=warm_s, all_tok_s=[x["tok_s"] for x in rs])
             rows.append(row)
             ph = " ".join(f"{p} {v:.1f}" for p, v in row["phase_ms"].items())
             print(f"{label:<10} T={cfg.temperature} B={B:<2} {name:<8} {row['tok_s']:7.1f} tok/s  x{row['ratio_to_plain']:.3f}"
-                  f"  [{min(row['all_ratios']):.2f}-{max(row['all_ratios']):.2f}] (engine's estimate x{row['speedup_estimate']:.3f}, margin {row['margin']:.2f})"
+                  f"  [{min(row['all_ratios']):.2f}-{max(row['all_ratios']):.2f}] pooled x{row['pooled_ratio']:.3f} (engine's estimate x{row['speedup_estimate']:.3f}, margin {row['margin']:.2f})"
                   f"  acc {row['acceptance'] if row['acceptance'] is not None else float('nan'):.3f}"
-                  f"  tok/round/row {row['tokens_per_round']:.2f}  drafts/row-round {row['mean_drafts']:.2f}"
+                  f"  tok/row {row['tokens_per_row']:.0f}  tok/round/row {row['tokens_per_round']:.2f}  drafts/row-round {row['mean_drafts']:.2f}"
                   f"  share heads {row['share']['heads']:.2f} history {row['share']['history']:.2f}  ms/round: {ph}",
                   flush=True)
     return rows

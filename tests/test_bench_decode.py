@@ -1,0 +1,50 @@
+"""bench-decode's bookkeeping: what reaches the engines, and how repeats are pooled."""
+import pytest
+
+from experiments import bench_decode as bd
+
+
+class _FakeEngine:
+    def __init__(self, name):
+        self.name = name
+
+
+@pytest.fixture
+def fake_runs(monkeypatch):
+    """bench() with engines that decode nothing: each setting's run returns the given tokens and seconds."""
+    calls = []
+    # setting -> per repeat (tokens, seconds): plain's lengths differ from both's, as with rows stopping at EOS
+    results = {"plain": [(100, 1.0), (300, 2.0)], "both": [(150, 1.0), (200, 2.0)]}
+
+    def make_engine(policy, heads, *, compile, **fields):
+        return _FakeEngine("plain" if heads is None else "both")
+
+    def run_ours(engine, prompts, sampling):
+        calls.append((engine.name, sampling))
+        tokens, seconds = results[engine.name][sum(1 for n, _ in calls if n == engine.name) - 1]
+        return dict(tok_s=tokens / seconds, tokens=tokens, decode_s=seconds, acceptance=0.5, tokens_per_round=1.0,
+                    mean_drafts=1.0, speedup_estimate=1.0, margin=1.0, share={"heads": 0.0, "history": 0.0},
+                    phase_ms={p: 0.0 for p in bd.PHASES})
+
+    monkeypatch.setattr(bd, "make_engine", make_engine)
+    monkeypatch.setattr(bd, "run_ours", run_ours)
+    return calls
+
+
+@pytest.mark.parametrize("ignore_eos", [True, False])
+def test_ignore_eos_reaches_every_timed_call(fake_runs, ignore_eos):
+    cfg = bd.BenchDecodeConfig(settings=["plain", "both"], batch_sizes=[1], repeats=2, history_epochs=0,
+                               ignore_eos=ignore_eos)
+    bd.bench(None, object(), cfg, {1: [[[1, 2]], [[3, 4]]]}, "test")
+    assert len(fake_runs) == 4 and all(sp.ignore_eos is ignore_eos for _, sp in fake_runs)
+
+
+def test_pooled_ratio_is_all_tokens_over_all_seconds_against_plains(fake_runs):
+    cfg = bd.BenchDecodeConfig(settings=["plain", "both"], batch_sizes=[1], repeats=2, history_epochs=0,
+                               ignore_eos=False)
+    rows = {r["setting"]: r for r in bd.bench(None, object(), cfg, {1: [[[1, 2]], [[3, 4]]]}, "test")}
+    # plain: 400 tokens in 3 s; both: 350 tokens in 3 s. Per repeat both is 1.5x then 0.67x (median 1.08x)
+    assert rows["plain"]["pooled_ratio"] == pytest.approx(1.0)
+    assert rows["both"]["pooled_ratio"] == pytest.approx(350 / 400)
+    assert rows["both"]["ratio_to_plain"] == pytest.approx((1.5 + 200 / 300) / 2)
+    assert rows["both"]["tokens_per_row"] == pytest.approx(175.0) and rows["plain"]["tokens_per_row"] == 200.0
