@@ -220,14 +220,15 @@ def append_log(path: str, argv: list[str], heads_desc: str, rows: list[dict]) ->
     lines = [f"\n## {dt.date.today().isoformat()} bench_decode (commit {commit})\n",
              f"Command: `python -m experiments.bench_decode {' '.join(argv)}`  ",
              f"Machine: {machine()}  ", f"Heads: {heads_desc}\n",
-             "| engine | T | batch | setting | tok/s | x plain (range) | acceptance | drafts per row-round | "
-             "token share heads / history | draft / verify / accept / commit ms per round |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "| engine | T | batch | setting | tok/s | x plain (range) | pooled x plain | tokens per row | acceptance | "
+             "drafts per row-round | token share heads / history | draft / verify / accept / commit ms per round |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         acc = f"{r['acceptance']:.3f}" if r["acceptance"] is not None else "-"
         ph = " / ".join(f"{v:.1f}" for v in r["phase_ms"].values())
         lines.append(f"| {r['engine']} | {r['temperature']} | {r['batch']} | {r['setting']} | {r['tok_s']:.1f} | "
-                     f"{r['ratio_to_plain']:.3f} ({min(r['all_ratios']):.2f}-{max(r['all_ratios']):.2f}) | {acc} | "
+                     f"{r['ratio_to_plain']:.3f} ({min(r['all_ratios']):.2f}-{max(r['all_ratios']):.2f}) | {r['pooled_ratio']:.3f} | "
+                     f"{r['tokens_per_row']:.0f} | {acc} | "
                      f"{r['mean_drafts']:.2f} | {r['share']['heads']:.2f} / {r['share']['history']:.2f} | {ph} |")
     with open(path, "a") as f:
         f.write("\n".join(lines) + "\n")

@@ -48,3 +48,13 @@ def test_pooled_ratio_is_all_tokens_over_all_seconds_against_plains(fake_runs):
     assert rows["both"]["pooled_ratio"] == pytest.approx(350 / 400)
     assert rows["both"]["ratio_to_plain"] == pytest.approx((1.5 + 200 / 300) / 2)
     assert rows["both"]["tokens_per_row"] == pytest.approx(175.0) and rows["plain"]["tokens_per_row"] == 200.0
+
+
+def test_the_log_table_has_a_cell_for_every_column(fake_runs, tmp_path):
+    cfg = bd.BenchDecodeConfig(settings=["plain", "both"], batch_sizes=[1], repeats=2, history_epochs=0)
+    rows = bd.bench(None, object(), cfg, {1: [[[1, 2]], [[3, 4]]]}, "test")
+    bd.append_log(str(tmp_path / "LOG.md"), ["repeats=2"], "fake heads", rows)
+    table = [ln for ln in (tmp_path / "LOG.md").read_text().splitlines() if ln.startswith("|")]
+    assert len(table) == 2 + len(rows)
+    assert {ln.count("|") for ln in table} == {table[0].count("|")}
+    assert "| 0.875 | 175 |" in table[-1]          # both's pooled ratio and tokens per row
