@@ -193,14 +193,11 @@ def bench(policy, heads, cfg: BenchDecodeConfig, batches: dict[int, list], label
             row = dict(engine=label, batch=B, setting=name, temperature=cfg.temperature, tok_s=med("tok_s"),
                        ratio_to_plain=statistics.median(x["tok_s"] / p["tok_s"] for x, p in zip(rs, runs["plain"])),
                        all_ratios=[x["tok_s"] / p["tok_s"] for x, p in zip(rs, runs["plain"])],
-                       # tokens over seconds of all repeats against plain's: what a job decoding these batches
-                       # sees; with rows stopping at EOS each repeat's lengths differ between settings, and
-                       # the per-repeat ratios scatter with them
-                       pooled_ratio=(sum(x["tokens"] for x in rs) / sum(x["decode_s"] for x in rs))
-                       / (sum(p["tokens"] for p in runs["plain"]) / sum(p["decode_s"] for p in runs["plain"])),
+                       pooled_ratio=pooled_tok_s(rs) / pooled_tok_s(runs["plain"]),
                        speedup_estimate=med("speedup_estimate"), margin=med("margin"),
                        acceptance=med("acceptance") if name != "plain" else None,
-                       tokens_per_round=med("tokens_per_round"), tokens_per_row=med("tokens") / B, mean_drafts=med("mean_drafts"),
+                       tokens_per_round=med("tokens_per_round"), tokens_per_row=med("tokens") / B,
+                       mean_drafts=med("mean_drafts"),
                        share={src: statistics.median(x["share"][src] for x in rs) for src in ("heads", "history")},
                        phase_ms={p: statistics.median(x["phase_ms"][p] for x in rs) for p in PHASES},
                        warmup_s=warm_s, all_tok_s=[x["tok_s"] for x in rs])
@@ -213,6 +210,12 @@ def bench(policy, heads, cfg: BenchDecodeConfig, batches: dict[int, list], label
                   f"  share heads {row['share']['heads']:.2f} history {row['share']['history']:.2f}  ms/round: {ph}",
                   flush=True)
     return rows
+
+
+def pooled_tok_s(runs: list[dict]) -> float:
+    """All repeats' tokens over all their seconds: what a job decoding these batches sees. With rows
+    stopping at EOS each repeat's lengths differ between settings and per-repeat ratios scatter with them."""
+    return sum(r["tokens"] for r in runs) / sum(r["decode_s"] for r in runs)
 
 
 def append_log(path: str, argv: list[str], heads_desc: str, rows: list[dict]) -> None:
