@@ -190,9 +190,9 @@ def bench(policy, heads, cfg: BenchDecodeConfig, batches: dict[int, list], label
                 runs[name].append(run_ours(engine, prompts, replace(sps[name], seed=r)))
         for name, rs in runs.items():
             med = lambda key: statistics.median(x[key] for x in rs)   # noqa: E731
+            ratios = [x["tok_s"] / p["tok_s"] for x, p in zip(rs, runs["plain"])]
             row = dict(engine=label, batch=B, setting=name, temperature=cfg.temperature, tok_s=med("tok_s"),
-                       ratio_to_plain=statistics.median(x["tok_s"] / p["tok_s"] for x, p in zip(rs, runs["plain"])),
-                       all_ratios=[x["tok_s"] / p["tok_s"] for x, p in zip(rs, runs["plain"])],
+                       ratio_to_plain=statistics.median(ratios), all_ratios=ratios,
                        pooled_ratio=pooled_tok_s(rs) / pooled_tok_s(runs["plain"]),
                        speedup_estimate=med("speedup_estimate"), margin=med("margin"),
                        acceptance=med("acceptance") if name != "plain" else None,
