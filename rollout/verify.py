@@ -173,6 +173,7 @@ def rejection_sample(
     num_drafts: torch.Tensor | None = None,  # [B] int64 <= k: drafts per row to consider (None = k)
     index: torch.Tensor | None = None,       # [B, k+1] int64: row b's position j is target_probs[index[b, j]]
     point_mass: torch.Tensor | None = None,  # [B] bool: row b's drafts are point masses (copied, or greedy)
+    draft_vocab: torch.Tensor | None = None,  # [S] int64: draft_probs is [B, k', S] over these ids (0 elsewhere)
 ) -> tuple[torch.Tensor, torch.Tensor]:  # output_tokens [B, k+1] (-1 after the last), num_accepted [B]
     """A row with num_drafts[b] = m < k ignores drafts m.. : at most m are accepted and, when all m
     pass, its last token is drawn from p at position m (m = 0: one plain token from p[:, 0]).
@@ -182,7 +183,8 @@ def rejection_sample(
     distribution q accept draft v with probability min(1, p(v)/q(v)) and draw the first rejected
     position's token from norm(max(0, p - q)). Rows of both kinds verify in one call. Packed
     verification passes the target distributions of all rows as one [N, V] tensor and `index` to
-    find row b's positions in it."""
+    find row b's positions in it. A drafter with a draft vocabulary passes q over it (`draft_vocab`):
+    the same verification as with q scattered into [B, k', V], without building or reading it."""
     B, k = draft_tokens.shape
     device = target_probs.device
     if index is None:
@@ -194,8 +196,10 @@ def rejection_sample(
         raise ValueError(f"with an index [B, k+1] = [{B}, {k + 1}], target_probs must be [N, V]; got index "
                          f"{tuple(index.shape)}, target_probs {tuple(target_probs.shape)}")
     k_q = 0 if draft_probs is None else draft_probs.shape[1]
-    if draft_probs is not None and (k_q > k or draft_probs.shape[0] != B or draft_probs.shape[2] != target_probs.shape[-1]):
-        raise ValueError(f"draft_probs must be [B, k' <= k, V], got {tuple(draft_probs.shape)}")
+    q_width = target_probs.shape[-1] if draft_vocab is None else draft_vocab.numel()
+    if draft_probs is not None and (k_q > k or draft_probs.shape[0] != B or draft_probs.shape[2] != q_width):
+        raise ValueError(f"draft_probs must be [B, k' <= k, {q_width}] (V, or the draft vocabulary's size), got "
+                         f"{tuple(draft_probs.shape)}")
     rows = torch.arange(B, device=device)
     positions = torch.arange(k + 1, device=device)[None]                                  # [1, k+1]
     limit = torch.full((B,), k, device=device) if num_drafts is None else num_drafts     # [B]
@@ -213,7 +217,7 @@ def rejection_sample(
         p_draft = target_probs[index[:, :k], draft_tokens]                                 # [B, k]
         q_draft = torch.ones_like(p_draft)
         if k_q:
-            q_draft[:, :k_q] = draft_probs.gather(-1, draft_tokens[:, :k_q, None]).squeeze(-1)
+            q_draft[:, :k_q] = _q_of(draft_probs, draft_tokens[:, :k_q], draft_vocab, target_probs.shape[-1])
         by_q = uniforms(generator, (B, k), ACCEPT, device) * q_draft < p_draft
         accepted = by_q if point_mass is None else torch.where(point_mass[:, None], accepted, by_q)
     accepted = accepted & (positions[:, :k] < limit[:, None])
@@ -222,18 +226,25 @@ def rejection_sample(
     if with_q:
         # a q row's last token comes from one distribution: the recovered norm(max(0, p - q)) at its first
         # rejected draft, or the bonus p after its last draft. Only that position is built ([B, V], not the
-        # [B, k+1, V] of every position), and not normalised: inverse_cdf is scale-invariant.
-        p_stop = target_probs[index[rows, num_accepted]]                                  # [B, V]
+        # [B, k+1, V] of every position), in place on a copy of p, touching q's support only, and not
+        # normalised: inverse_cdf is scale-invariant.
+        dist = target_probs[index[rows, num_accepted]]                                    # [B, V] p, a copy
+        cols = slice(None) if draft_vocab is None else draft_vocab                        # q's support
+        p_cols = dist[:, cols].clone()                                                    # [B, S]
         at = num_accepted.clamp_max(max(k - 1, 0))    # q of a row that passed is not used (its p is the bonus)
-        if k == 0:
-            q_stop = torch.zeros_like(p_stop)
-        else:
-            q_stop = torch.zeros_like(p_stop).scatter_(-1, draft_tokens[rows, at][:, None], 1.0)
-            if k_q:
-                q_stop = torch.where((at < k_q)[:, None], draft_probs[rows, at.clamp_max(k_q - 1)], q_stop)  # [B, V]
-        residual = (p_stop - q_stop).clamp_min(0)
-        use_p = (num_accepted == limit) | (residual.sum(-1) <= 0)   # the bonus; or p == q, which never rejects
-        last_token = inverse_cdf(torch.where(use_p[:, None], p_stop, residual), u_token[rows, num_accepted])
+        token_at = draft_tokens[rows, at] if k else torch.zeros_like(num_accepted)       # [B]
+        p_token = dist[rows, token_at]                                                    # [B]
+        with_dist = (at < k_q) if k_q else torch.zeros_like(num_accepted, dtype=torch.bool)   # q there: a distribution
+        if k_q:
+            q_at = draft_probs[rows, at.clamp_max(k_q - 1)]                              # [B, S]
+            dist[:, cols] = torch.where(with_dist[:, None], (p_cols - q_at).clamp_min(0), p_cols)
+        if k:           # a position past q's: a point mass at its draft, max(0, p - one-hot) is 0 there
+            dist[rows, token_at] = torch.where(with_dist, dist[rows, token_at], 0.0)
+        use_p = (num_accepted == limit) | (dist.sum(-1) <= 0)   # the bonus; or p == q, which never rejects
+        if use_p.any():
+            dist[:, cols] = torch.where(use_p[:, None], p_cols, dist[:, cols])
+            dist[rows, token_at] = torch.where(use_p, p_token, dist[rows, token_at])
+        last_token = inverse_cdf(dist, u_token[rows, num_accepted])
         if point_mass is not None:
             last_token = torch.where(point_mass, drawn[rows, num_accepted], last_token)
     else:
@@ -244,3 +255,15 @@ def rejection_sample(
                          torch.full_like(drafts_padded, PLACEHOLDER))
     output[rows, num_accepted] = last_token
     return output, num_accepted
+
+
+def _q_of(draft_probs: torch.Tensor, tokens: torch.Tensor, draft_vocab: torch.Tensor | None, V: int) -> torch.Tensor:
+    """q of each drafted token: draft_probs [B, k', S] (S = V, or over draft_vocab [S]), tokens [B, k'] ->
+    [B, k'] (0 for a token outside the draft vocabulary)."""
+    if draft_vocab is None:
+        return draft_probs.gather(-1, tokens[..., None]).squeeze(-1)
+    slot = torch.full((V,), -1, dtype=torch.long, device=tokens.device)
+    slot[draft_vocab] = torch.arange(draft_vocab.numel(), device=tokens.device)
+    at = slot[tokens]                                                                     # [B, k'] (-1: outside)
+    q = draft_probs.gather(-1, at.clamp_min(0)[..., None]).squeeze(-1)
+    return torch.where(at >= 0, q, 0.0)

@@ -10,10 +10,10 @@ MIXED_PROMPTS = [[5, 6, 7], [8, 9, 10, 11, 12, 13, 14, 15, 16], [3], [20, 21, 22
 
 
 def lossy_rejection_sample(draft_tokens, draft_probs, target_probs, generator=None, num_drafts=None, index=None,
-                           point_mass=None):
+                           point_mass=None, draft_vocab=None):
     """The classic mistake: after a rejection, resample from p instead of norm(max(0, p - q))."""
     out, n = rejection_sample(draft_tokens, draft_probs, target_probs, generator, num_drafts, index=index,
-                              point_mass=point_mass)
+                              point_mass=point_mass, draft_vocab=draft_vocab)
     B, k = draft_tokens.shape
     rows = torch.arange(B)
     if index is None:

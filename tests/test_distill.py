@@ -47,11 +47,12 @@ def _force_drafts(monkeypatch, sequence):
         return real_draft(ctx, st, k)
 
     def draft_token(ctx, head_hidden):
-        token, q, bad = real_token(ctx, head_hidden)
+        token, q, vocab, bad = real_token(ctx, head_hidden)
         pos = where["c"] + where["step"]                    # draft j of a round fills position c-1+j
         where["step"] += 1
-        seen.append((pos, head_hidden[0].clone(), q[0].clone()))
-        return seq[pos].view(1), q, bad
+        q_full = q[0].clone() if vocab is None else q.new_zeros(ctx.policy.config.vocab_size).index_copy_(0, vocab, q[0])
+        seen.append((pos, head_hidden[0].clone(), q_full))
+        return seq[pos].view(1), q, vocab, bad
 
     monkeypatch.setattr(rnd, "draft", draft)
     monkeypatch.setattr(rnd, "draft_token", draft_token)

@@ -81,7 +81,7 @@ def test_rounds_that_accept_every_draft_read_every_key_they_need(tiny_policy, ti
                 seq = torch.cat([seq, drafts[b:b + 1, j:j + 1]], 1)
         st.seq[torch.arange(st.batch)[:, None], c[:, None] + torch.arange(k)] = drafts
         q = torch.nn.functional.one_hot(drafts, tiny_policy.config.vocab_size).float()
-        return drafts, q, torch.zeros(st.batch, dtype=torch.bool)
+        return drafts, q, torch.zeros(st.batch, dtype=torch.bool), None
 
     engine = TorchEngine(tiny_policy, tiny_heads, config=FIXED)
     sp = SamplingParams(max_new_tokens=17, temperature=0, ignore_eos=True, return_hidden_states=True)

@@ -178,3 +178,34 @@ def test_rows_with_fewer_drafts_sample_their_last_token_from_p():
     bonus = out[n == 1, 1]
     counts = torch.bincount(bonus, minlength=V).double()
     assert chisquare(counts.numpy(), _expected(p[1], counts)).pvalue > 1e-3
+
+
+@pytest.mark.parametrize("keyed", [False, True])
+def test_q_over_a_draft_vocabulary_verifies_as_q_scattered_over_the_whole_vocabulary(keyed):
+    """draft_probs over a draft vocabulary S (draft_vocab, unsorted ids) gives the same tokens and acceptances
+    as the same q written into [B, k', V] with zeros outside S: rows with q, point-mass rows, ragged
+    num_drafts, positions past q's (k' < k), and bonus tokens, on the same draws."""
+    gen = torch.Generator().manual_seed(3)
+    B, k, k_q, V = 64, 3, 2, 40
+    vocab = torch.randperm(V, generator=gen)[:12]                                  # S: 12 ids, unsorted
+    q_s = (torch.randn(B, k_q, vocab.numel(), generator=gen) * 1.5).softmax(-1)   # [B, k', S]
+    q_full = torch.zeros(B, k_q, V).index_copy_(2, vocab, q_s)                     # [B, k', V]
+    # p close to q on S (many acceptances), some mass outside S
+    p = 0.8 * torch.zeros(B, k + 1, V).index_copy_(2, vocab, (torch.randn(B, k + 1, vocab.numel(), generator=gen)
+                                                              * 1.5).softmax(-1)) + 0.2 * torch.rand(B, k + 1, V,
+                                                                                                  generator=gen).softmax(-1)
+    drafts = vocab[torch.multinomial(q_s.reshape(-1, vocab.numel()), 1, generator=gen).view(B, k_q)]
+    drafts = torch.cat([drafts, torch.randint(0, V, (B, k - k_q), generator=gen)], 1)   # past q: point masses
+    num_drafts = torch.randint(0, k + 1, (B,), generator=gen)
+    point_mass = torch.rand(B, generator=gen) < 0.25
+    results = []
+    for probs, ids in ((q_full, None), (q_s, vocab)):
+        rng = (KeyedDraws(11, torch.arange(B), torch.zeros(B, dtype=torch.long)) if keyed
+               else torch.Generator().manual_seed(5))
+        results.append(rejection_sample(drafts, probs, p, rng, num_drafts, point_mass=point_mass, draft_vocab=ids))
+    (dense_out, dense_n), (sparse_out, sparse_n) = results
+    assert torch.equal(dense_n, sparse_n) and torch.equal(dense_out, sparse_out)
+    assert 0 < int(dense_n.sum()) < int(num_drafts.sum())                # some drafts accepted, some rejected
+    assert ((dense_n < num_drafts) & ~point_mass).any() and (dense_n == num_drafts).any()   # recovered and bonus
+    with pytest.raises(ValueError, match="draft vocabulary"):
+        rejection_sample(drafts, q_full, p, gen, draft_vocab=vocab)

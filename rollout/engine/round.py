@@ -85,8 +85,9 @@ class RoundResult:
 
 
 READ_WINDOW_STEP = 32   # the caches' read window grows in steps of this many positions
-PACK_MULTIPLE = 4       # packed forwards are padded to a multiple of this many tokens (fewer new shapes: oneDNN
-                        # pays ~0.7 ms per linear for each new row count on first use)
+PACK_MULTIPLE = 4       # packed forwards of more tokens than this are padded to a multiple of it (fewer new
+                        # shapes: oneDNN pays ~0.7 ms per linear for each new row count on first use); smaller
+                        # ones run exact (batch 1: padding 2 tokens to 4 cost ~1 ms of a ~14 ms round)
 
 
 def round_slack(k: int, verify_widths: tuple[int, ...], head_width: int, num_depths: int) -> int:
@@ -120,9 +121,9 @@ def run_round(ctx: RoundContext, st: DecodeState, view: RowView, chooser: DraftC
     keys = KeyedDraws(ctx.seed, st.row_ids, c)      # column j: the token at position c + j
     with ctx.times.phase("draft", dev):
         h = chooser.head_steps(B, view) if chooser is not None else k_fixed
-        head_tokens = q = nonfinite = feature = None
+        head_tokens = q = q_vocab = nonfinite = feature = None
         if h > 0:
-            head_tokens, q, nonfinite = draft(ctx, st, h)                                 # [B, h], [B, h, V], [B]
+            head_tokens, q, nonfinite, q_vocab = draft(ctx, st, h)                        # [B, h], [B, h, S], [B], [S]
             feature = q.amax(-1).float().cpu().numpy() if chooser is not None else None   # [B, h] (a host sync)
         plan = chooser.assign(B, view, h, feature) if chooser is not None else fixed_plan(view, k_fixed)
         k = plan.width
@@ -156,8 +157,8 @@ def run_round(ctx: RoundContext, st: DecodeState, view: RowView, chooser: DraftC
             output = sample(target_probs[index[:, 0]], keys)[:, None]
         else:
             heads_q = None if (q is None or sp.draft_mode == "greedy") else q[:, :k]
-            output, num_accepted = _accept_unfinished(ctx, st, live, drafts, heads_q, target_probs, num_drafts,
-                                                      index, point_mass, keys)
+            output, num_accepted = _accept_unfinished(ctx, st, live, drafts, heads_q, q_vocab, target_probs,
+                                                      num_drafts, index, point_mass, keys)
     with ctx.times.phase("commit", dev):
         emitted = output.clamp_min(0)
         logp = logits[index, emitted] - logits.logsumexp(-1)[index]                       # [B, k+1]
@@ -170,18 +171,20 @@ def run_round(ctx: RoundContext, st: DecodeState, view: RowView, chooser: DraftC
                        plan, output, nonfinite, verified)
 
 
-def _accept_unfinished(ctx: RoundContext, st: DecodeState, live: np.ndarray, drafts, heads_q, target_probs,
+def _accept_unfinished(ctx: RoundContext, st: DecodeState, live: np.ndarray, drafts, heads_q, q_vocab, target_probs,
                        num_drafts, index, point_mass, keys: KeyedDraws) -> tuple[torch.Tensor, torch.Tensor]:
     """rejection_sample over the unfinished rows `live` only: a finished row left out of a packed
     forward has no entries of its own (its index points into another row's), and its draws must not
     land on them. -> output [B, k+1] (-1 for finished rows), num_accepted [B]."""
     B = drafts.shape[0]
     if live.size == B:
-        return rejection_sample(drafts, heads_q, target_probs, keys, num_drafts, index=index, point_mass=point_mass)
+        return rejection_sample(drafts, heads_q, target_probs, keys, num_drafts, index=index, point_mass=point_mass,
+                                draft_vocab=q_vocab)
     sel = torch.as_tensor(live, device=drafts.device)
     out, acc = rejection_sample(drafts[sel], None if heads_q is None else heads_q[sel], target_probs,
                                 KeyedDraws(ctx.seed, st.row_ids[sel], st.committed[sel]), num_drafts[sel],
-                                index=index[sel], point_mass=None if point_mass is None else point_mass[sel])
+                                index=index[sel], point_mass=None if point_mass is None else point_mass[sel],
+                                draft_vocab=q_vocab)
     output = out.new_full((B, out.shape[1]), -1)
     output[sel] = out
     num_accepted = acc.new_zeros(B)
@@ -215,8 +218,8 @@ def _draft_tensors(plan: RoundPlan, view: RowView, head_tokens: torch.Tensor | N
 def _verify_packed(ctx: RoundContext, st: DecodeState, tokens: torch.Tensor, num_drafts: torch.Tensor,
                    live: np.ndarray):
     """Each unfinished row's pending token and its num_drafts[b] drafts, the runs back to back in
-    one [1, N] forward (N padded up to PACK_MULTIPLE by extending the last run with scratch
-    positions, rewritten before anything reads them). Finished rows are not computed: a bucket
+    one [1, N] forward (N above PACK_MULTIPLE padded up to a multiple of it by extending the last run
+    with scratch positions, rewritten before anything reads them). Finished rows are not computed: a bucket
     keeps them until enough rows finish to move into a smaller one.
 
     tokens [B, k+1], live [S] (host: the unfinished rows) -> hidden [N, d], index [B, k+1] (row b's
@@ -228,7 +231,7 @@ def _verify_packed(ctx: RoundContext, st: DecodeState, tokens: torch.Tensor, num
     drafts = num_drafts[seqs]                                                             # [S]
     counts = drafts + 1
     total = int(counts.sum())
-    pad = -total % PACK_MULTIPLE
+    pad = -total % PACK_MULTIPLE if total > PACK_MULTIPLE else 0
     counts_padded = counts.clone()
     counts_padded[-1] += pad
     starts = torch.zeros(seqs.numel() + 1, dtype=torch.long, device=dev)
@@ -262,18 +265,19 @@ def draft(ctx: RoundContext, st: DecodeState, k: int):
     """k draft tokens per row from the heads, also written to seq[c .. c+k-1] (draft j is drawn
     with the keys of its position, c-1+j).
 
-    -> drafts [B, k] int64, q [B, k, V], nonfinite [B] bool (q had NaN/inf somewhere)."""
+    -> drafts [B, k] int64, q [B, k, S] over the drafter's vocabulary, nonfinite [B] bool (q had NaN/inf
+    somewhere), the vocabulary's ids [S] (None: S is the whole vocabulary)."""
     heads, fwd = ctx.heads, ctx.forwards
     D = heads.num_depths
     c = st.committed
     rows = torch.arange(st.batch, device=c.device)
-    tokens, probs, bad = [], [], torch.zeros_like(st.finished)
+    tokens, probs, bad, vocab = [], [], torch.zeros_like(st.finished), None
     keys = KeyedDraws(ctx.seed, st.row_ids, c)
     prev_buffer = st.drafter_input
     for j in range(1, min(k, D) + 1):
         update_head_cache(ctx, st, j, prev_buffer)
         ctx.draft_keys = keys.at(j - 1)
-        token, q, nonfinite = draft_token(ctx, st.head_hidden[j - 1][rows, c - 2])      # depth j at c-2
+        token, q, vocab, nonfinite = draft_token(ctx, st.head_hidden[j - 1][rows, c - 2])   # depth j at c-2
         st.seq[rows, c - 1 + j] = token
         tokens.append(token), probs.append(q)
         bad |= nonfinite
@@ -285,11 +289,11 @@ def draft(ctx: RoundContext, st: DecodeState, k: int):
                        st.heads[D - 1])
         st.head_hidden[D - 1][rows[:, None], pos] = out
         ctx.draft_keys = keys.at(m - 1)
-        token, q, nonfinite = draft_token(ctx, out[:, 0])
+        token, q, vocab, nonfinite = draft_token(ctx, out[:, 0])
         st.seq[rows, c - 1 + m] = token
         tokens.append(token), probs.append(q)
         bad |= nonfinite
-    return torch.stack(tokens, 1), torch.stack(probs, 1), bad
+    return torch.stack(tokens, 1), torch.stack(probs, 1), bad, vocab
 
 
 def update_head_cache(ctx: RoundContext, st: DecodeState, j: int, prev_buffer: torch.Tensor) -> None:
@@ -341,19 +345,15 @@ def fill_head_caches(heads: MTPHeads, policy: CausalLM, st: DecodeState,
 
 
 def draft_token(ctx: RoundContext, head_hidden: torch.Tensor):
-    # head_hidden [B, d] -> token [B], q [B, V] (processed like p), nonfinite [B] bool
-    # q is processed and sampled over the draft vocabulary S only (4k of 49k ids for SmolLM2): the same
-    # distribution as over V with -inf outside S (top-k / top-p keep the same ids), at a tenth of the cost
+    # head_hidden [B, d] -> token [B], q [B, |S|], S's ids [|S|] (None: all V), nonfinite [B] bool
+    # q is processed, sampled and verified over the draft vocabulary S only (4k of 49k ids for SmolLM2): the
+    # same distribution as over V with 0 outside S (top-k / top-p keep the same ids), never built over V
     sp = ctx.sampling
     logits, vocab = ctx.heads.draft_logits_in_vocab(ctx.policy, head_hidden)          # [B, |S|]
     nonfinite = (logits.isnan() | (logits == float("inf"))).any(-1)
-    q_s = process_logits(logits, sp.temperature, sp.top_k, sp.top_p)
-    token = q_s.argmax(-1) if sp.draft_mode == "greedy" else sample(q_s, ctx.draft_keys, DRAFT)
-    if vocab is None:
-        return token, q_s, nonfinite
-    q = q_s.new_zeros((q_s.shape[0], ctx.policy.config.vocab_size))
-    q[:, vocab] = q_s
-    return vocab[token], q, nonfinite
+    q = process_logits(logits, sp.temperature, sp.top_k, sp.top_p)
+    token = q.argmax(-1) if sp.draft_mode == "greedy" else sample(q, ctx.draft_keys, DRAFT)
+    return (token if vocab is None else vocab[token]), q, vocab, nonfinite
 
 
 # --------------------------------------------------------------------------------- commit
