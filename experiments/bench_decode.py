@@ -131,28 +131,6 @@ def run_ours(engine: TorchEngine, prompts: list[list[int]], sampling: SamplingPa
                 phase_ms={p: 1e3 * engine.times.seconds.get(p, 0.0) / rounds for p in PHASES})
 
 
-@torch.inference_mode()
-def verify_cost_curve(engine: TorchEngine, prompts: list[list[int]], ns: list[int], repeats: int) -> dict:
-    """V(n): median time of an n-token target forward over the median 1-token time, same batch.
-    Forwards start at each row's pending position, as in decoding (cache context = the prompt); the
-    widths are interleaved within each repeat, so that the machine's drift does not land on one n."""
-    sp = SamplingParams(max_new_tokens=max(ns) + 2, temperature=1.0, ignore_eos=True, seed=0)
-    ctx, st, _ = engine._prefill(prompts, sp)
-    c = st.committed
-    rows = torch.arange(st.batch)[:, None]
-    tokens = {n: st.seq[rows, (c - 1)[:, None] + torch.arange(n)] for n in ns}
-    for n in ns:
-        engine.forwards.target(tokens[n], c - 1, st.target)       # compile / warm up
-    samples: dict[int, list[float]] = {n: [] for n in ns}
-    for _ in range(repeats):
-        for n in ns:
-            t0 = time.perf_counter()
-            engine.policy.compute_logits(engine.forwards.target(tokens[n], c - 1, st.target))
-            samples[n].append(time.perf_counter() - t0)
-    times = {n: statistics.median(ts) for n, ts in samples.items()}
-    return {"ms": {n: 1e3 * t for n, t in times.items()}, "V": {n: times[n] / times[ns[0]] for n in ns}}
-
-
 # ------------------------------------------------------------------------------ the study
 def workload(cfg: BenchDecodeConfig, encode) -> dict[int, list[list[list[int]]]]:
     """batch size -> the batches of the repeats: groups of `group_size` rows per prompt (1 row at batch 1),

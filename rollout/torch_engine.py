@@ -145,7 +145,8 @@ class TorchEngine:
                 if chooser is not None and self.forwards.compile_time_s == compile_s:   # a compiling round is no sample
                     seconds = clock() - t_round
                     context = float(before.cpu().numpy()[view.active].mean()) if view.active.any() else 0.0
-                    chooser.costs.observe(st.batch, r.verified_tokens, r.plan.head_steps, seconds, context)
+                    chooser.costs.observe(st.batch, r.verified_tokens, r.plan.head_steps, seconds, context,
+                                          head_seconds=r.head_seconds)
                     if choosing is not None:
                         chooser.settle(st.batch, r.plan, int(view.active.sum()), int(count.sum()), seconds,
                                        context, view.plain_rows(st.batch))
@@ -246,7 +247,7 @@ class TorchEngine:
         stop = set(sp.stop_token_ids) | (set() if sp.ignore_eos else set(self.policy.config.eos_token_ids))
         ctx = RoundContext(self.policy, heads, self.forwards, sp, seed,
                            torch.tensor(sorted(stop) or [-2], dtype=torch.long, device=dev),
-                           ecfg.verify_widths, head_width, self.times, k)
+                           ecfg.verify_widths, head_width, self.times, k, clock=cost_clock(dev))
         cache = self._target_cache(B, L)
         set_read_len(cache, L)              # a reused cache keeps its last call's window; rounds narrow it
         hidden = torch.zeros(B, L, d, dtype=dtype, device=dev)

@@ -31,7 +31,11 @@ must promise over plain decoding (`margin`, >= 1) rises; while it exceeds it, th
 towards 1. The predictor and the cost model can each be right on average and the rounds chosen on
 them still lose (the rows and sources chosen are those whose estimates came out high), and at large
 batches a few percent of error decides whether drafting pays; the margin is decided from past
-rounds only, so it keeps verification lossless.
+rounds only, so it keeps verification lossless. Rounds that do not draft bring no such evidence, and
+the margin relaxes towards 1 over them (halflife MARGIN_HALFLIFE rounds of the bucket, paused ones
+included): raised by a stretch of losing rounds (on a shared machine, often rounds timed while it ran
+slow against a plain price timed while it ran fast), it otherwise stopped drafting for the engine's
+life, however well drafting would pay afterwards.
 Where nothing is worth drafting the choosing itself costs (the history lookups, the choice and its
 learning: ~1 ms of a 22-30 ms round at batch 8-16 on 2 CPU cores): after PAUSE_AFTER chosen rounds of a
 bucket that drafted nothing, its next rounds run plain without looking (`plain_round`), for a stretch that
@@ -60,6 +64,7 @@ from rollout.engine.round_cost import RoundCostModel
 NONE = -1
 MARGIN_STEP = 0.05          # log-margin change per drafting round per unit of shortfall
 MARGIN_MAX = 2.0
+MARGIN_HALFLIFE = 128.0      # rounds of a bucket that did not draft, over which its log-margin halves
 RETURNS_HALFLIFE = 32.0     # drafting rounds
 HEAD_ROUNDS_HALFLIFE = 32.0  # rounds with head steps
 HEAD_ROUNDS_MIN = 4.0        # such rounds before their record replaces the per-position levels
@@ -328,6 +333,14 @@ class DraftChooser:
                                    int(plan.num_drafts[b]), int(num_accepted[b]))
         if plan.reason == "chosen":          # probes were not choices; head steps that verified nothing drafted nothing
             self._count_idle(view.active.shape[0], bool(plan.num_drafts.any()))
+            if not plan.num_drafts.any() and plan.head_steps == 0:
+                self._relax_margin(view.active.shape[0])
+
+    def _relax_margin(self, bucket: int) -> None:
+        """A round of `bucket` that did not draft: no evidence for the margin, which relaxes towards 1."""
+        margin = self.margin.get(bucket)
+        if margin is not None and margin > 1.0:
+            self.margin[bucket] = max(1.0, margin ** (0.5 ** (1.0 / MARGIN_HALFLIFE)))
 
     def _count_idle(self, bucket: int, drafted: bool) -> None:
         if drafted:
@@ -351,6 +364,7 @@ class DraftChooser:
         if left <= 0:
             return False
         self._paused[bucket] = left - 1
+        self._relax_margin(bucket)
         self.rounds_without_heads += self.use_heads
         self.rounds_without_history += self.use_history
         return True

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -68,6 +69,7 @@ class RoundContext:
     times: PhaseTimes
     k_max: int = 0                    # the most drafts a row may verify in one round
     draft_keys: KeyedDraws | None = None   # draws of the head token being drafted (set by draft())
+    clock: Callable[[], float] = time.perf_counter   # the cost model's clock (round_cost.cost_clock)
 
 
 @dataclass
@@ -82,6 +84,7 @@ class RoundResult:
     emitted: torch.Tensor             # [B, k+1] the round's output tokens (-1 after each row's last)
     nonfinite: torch.Tensor | None = None   # [B] bool: heads rows whose q had NaN/inf (no drafts verified)
     verified_tokens: int = 0          # tokens the target forward computed (cost model input)
+    head_seconds: float = 0.0         # what the head steps took on ctx.clock, up to the chooser's read of q
 
 
 READ_WINDOW_STEP = 32   # the caches' read window grows in steps of this many positions
@@ -122,9 +125,12 @@ def run_round(ctx: RoundContext, st: DecodeState, view: RowView, chooser: DraftC
     with ctx.times.phase("draft", dev):
         h = chooser.head_steps(B, view) if chooser is not None else k_fixed
         head_tokens = q = q_vocab = nonfinite = feature = None
+        head_seconds = 0.0
         if h > 0:
+            t_heads = ctx.clock()
             head_tokens, q, nonfinite, q_vocab = draft(ctx, st, h)                        # [B, h], [B, h, S], [B], [S]
             feature = q.amax(-1).float().cpu().numpy() if chooser is not None else None   # [B, h] (a host sync)
+            head_seconds = ctx.clock() - t_heads
         plan = chooser.assign(B, view, h, feature) if chooser is not None else fixed_plan(view, k_fixed)
         k = plan.width
         drafts, num_drafts, point_mass = _draft_tensors(plan, view, head_tokens, sp.draft_mode, dev)
@@ -168,7 +174,7 @@ def run_round(ctx: RoundContext, st: DecodeState, view: RowView, chooser: DraftC
         st.head_lag[j] += k + 1
     st.longest = min(st.longest + k + 1, st.max_len)
     return RoundResult(k, st.row_ids, active, num_accepted, num_drafts, ent[index[:, :k]] if k else ent.new_zeros(B, 0),
-                       plan, output, nonfinite, verified)
+                       plan, output, nonfinite, verified, head_seconds)
 
 
 def _accept_unfinished(ctx: RoundContext, st: DecodeState, live: np.ndarray, drafts, heads_q, q_vocab, target_probs,

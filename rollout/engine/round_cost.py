@@ -1,9 +1,13 @@
 """What a decode round costs, modelled online from the rounds that run anyway.
 
 Per batch bucket: a plain round (no drafts, no head steps) costs what plain rounds measured (a
-decayed mean); a round that drafts costs a + b * (tokens verified) + c * (head steps), fitted by
-decayed least squares to the measured wall time of recent drafting rounds (the machine's speed
-drifts by tens of percent within minutes, so old rounds fade with `halflife`). The two are kept
+decayed mean); a round that drafts costs a + b * (tokens verified) + c * (head steps): c is what
+its head steps took, timed apart by the engine (their time per step, decayed), and a + b * tokens is
+fitted by decayed least squares to the rest of recent drafting rounds' time (the machine's speed
+drifts by tens of percent within minutes, so old rounds fade with `halflife`). Fitted jointly from
+round times alone, c was not identifiable: rounds with more head steps also verify more tokens, and
+on a noisy machine the fit swung between c = 0 (head steps free: every round ran two) and twice
+their real cost (no round ran one) within one process. The two are kept
 apart because a drafting round pays fixed costs a plain round does not (the packed verification's
 index, rejection sampling, the drafts' bookkeeping): extrapolating the drafting fit down to a plain
 round overestimated it by ~20% at batch 16, which made drafting look cheaper than it was. Plain
@@ -63,8 +67,9 @@ class RoundCostModel:
     def __init__(self, *, halflife: float = 64.0, prior_weight: float = 4.0):
         self.decay = 0.5 ** (1.0 / halflife)
         self.prior_weight = prior_weight
-        self._xtx: dict[int, np.ndarray] = {}      # bucket -> decayed sum of x x^T, x = (1, n, h)
-        self._xty: dict[int, np.ndarray] = {}
+        self._xtx: dict[int, np.ndarray] = {}      # bucket -> decayed sum of x x^T, x = (1, n - bucket)
+        self._xty: dict[int, np.ndarray] = {}      # ... of x * (seconds less the head steps')
+        self._heads: dict[int, np.ndarray] = {}    # bucket -> decayed (head steps' seconds, head steps)
         self._plain: dict[int, float] = {}        # bucket -> decayed mean of plain-round seconds
         self._timed_plain: set[int] = set()       # buckets where a plain round itself was timed
         self._coef: dict[int, np.ndarray] = {}
@@ -74,9 +79,13 @@ class RoundCostModel:
         self._ctx_xty: dict[int, np.ndarray] = {}
         self._kappa: dict[int, float] = {}
 
-    def observe(self, bucket: int, tokens: int, head_steps: int, seconds: float, context: float = 0.0) -> None:
+    def observe(self, bucket: int, tokens: int, head_steps: int, seconds: float, context: float = 0.0,
+                head_seconds: float | None = None) -> None:
         """A round of `bucket` slots that verified `tokens` tokens after `head_steps` head steps took
-        `seconds`; `context`: the mean length of its rows' sequences before it."""
+        `seconds`, of which its head steps `head_seconds` (required with head steps); `context`: the
+        mean length of its rows' sequences before it."""
+        if head_steps and head_seconds is None:
+            raise ValueError(f"a round with head_steps={head_steps} needs head_seconds (the time its head steps took)")
         if not (seconds > 0 and math.isfinite(seconds)):
             return
         shape = (bucket, tokens, head_steps)
@@ -99,9 +108,14 @@ class RoundCostModel:
         if plain_round:
             self._timed_plain.add(bucket)
             return
-        x = np.array([1.0, tokens, head_steps])
+        if head_steps:
+            head_seconds = min(max(head_seconds, 0.0) / self.context_factor(bucket, context), seconds)
+            old = self._heads.get(bucket, np.zeros(2))
+            self._heads[bucket] = old * self.decay + np.array([head_seconds, head_steps])
+            seconds -= head_seconds
+        x = np.array([1.0, tokens - bucket])     # centred: the intercept is a round verifying the bucket's tokens
         if bucket not in self._xtx:
-            self._xtx[bucket], self._xty[bucket] = np.zeros((3, 3)), np.zeros(3)
+            self._xtx[bucket], self._xty[bucket] = np.zeros((2, 2)), np.zeros(2)
         self._xtx[bucket] = self._xtx[bucket] * self.decay + np.outer(x, x)
         self._xty[bucket] = self._xty[bucket] * self.decay + x * seconds
 
@@ -148,16 +162,21 @@ class RoundCostModel:
         return bucket in self._timed_plain
 
     def coefficients(self, bucket: int) -> tuple[float, float, float]:
-        """(a, b, c) in seconds: the ridge fit shrunk towards the prior."""
+        """(a, b, c) in seconds: the ridge fit of (a, b) and the head steps' mean time c, each shrunk
+        towards the prior."""
         if bucket in self._coef:
             return tuple(self._coef[bucket])
         plain = self._plain.get(bucket, 1.0)
-        prior = np.array([plain * (1 - PRIOR_TOKEN), plain * PRIOR_TOKEN / bucket, plain * PRIOR_HEAD])
-        scale = np.array([1.0, float(bucket), 1.0])     # a ridge penalty in units of each term's typical size
+        prior = np.array([plain, plain * PRIOR_TOKEN / bucket])     # (a + b * bucket, b)
+        scale = np.array([1.0, float(bucket)])     # a ridge penalty in units of each term's typical size
         ridge = self.prior_weight * np.diag(scale ** 2)
-        xtx, xty = self._xtx.get(bucket, np.zeros((3, 3))), self._xty.get(bucket, np.zeros(3))
-        coef = np.linalg.solve(xtx + ridge, xty + ridge @ prior)
-        coef = np.maximum(coef, [0.0, plain * 0.01 / bucket, 0.0])   # a verified token is never free
+        xtx, xty = self._xtx.get(bucket, np.zeros((2, 2))), self._xty.get(bucket, np.zeros(2))
+        at_bucket, b = np.linalg.solve(xtx + ridge, xty + ridge @ prior)
+        b = max(b, plain * 0.01 / bucket)                             # a verified token is never free
+        a = at_bucket - b * bucket
+        head_s, steps = self._heads.get(bucket, np.zeros(2))
+        c = (head_s + self.prior_weight * plain * PRIOR_HEAD) / (steps + self.prior_weight)
+        coef = np.array([max(a, 0.0), b, c])
         self._coef[bucket] = coef
         return tuple(coef)
 
