@@ -5,7 +5,8 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from rollout.engine.chooser import MARGIN_MAX, NONE, PAUSE_AFTER, DraftChooser, RoundPlan, RowView, fixed_plan
+from rollout.engine.chooser import (MARGIN_MAX, NONE, PAUSE_AFTER, DraftChooser, RoundPlan, RowView, _keep_within,
+                                    fixed_plan)
 from rollout.engine.predictor import HEADS, HISTORY, AcceptancePredictor, feature_bin
 from rollout.engine.round_cost import RoundCostModel
 
@@ -289,6 +290,67 @@ def test_cost_model_prices_plain_rounds_apart_from_drafting_rounds():
     assert costs.seconds(8, 12, 0) == pytest.approx(0.1 + 0.03 + 0.008, rel=0.05)   # not 0.108: the overhead
     for n, h in ((16, 1), (24, 2), (10, 1)):                            # the drafting fit where it was measured
         assert costs.seconds(8, n, h) == pytest.approx(0.13 + 0.002 * (n - 8) + 0.005 * h, rel=0.05)
+
+
+def _stepped_costs(step=1.6, plain=0.040, head=0.002):
+    """Batch 8 on AMX: a drafting round verifying up to 16 tokens costs 3% more than a plain round, one
+    verifying more costs `step` times a plain round (two 16-row tiles); a head step `head` seconds."""
+    costs = RoundCostModel()
+    for _ in range(30):
+        for n, h in ((8, 0), (12, 1), (16, 1), (20, 2), (24, 2), (28, 3), (32, 3)):
+            verify = plain if (n, h) == (8, 0) else plain * (1.03 if n <= 16 else step)
+            costs.observe(8, n, h, verify + head * h, head_seconds=head * h)
+    return costs
+
+
+def test_cost_model_keeps_a_step_in_verification_cost_that_a_line_cannot_show():
+    costs = _stepped_costs()
+    curve = costs.verify_curve(8, 32)
+    assert curve[12] == pytest.approx(0.0412, rel=0.03) and curve[16] == pytest.approx(0.0412, rel=0.03)
+    for n in (17, 20, 26, 32):                # 17 and 26 were never verified: priced as the packed 20 and 28
+        assert curve[n] == pytest.approx(0.064, rel=0.03)
+    assert (np.diff(curve) >= 0).all()
+    a, b, _ = costs.coefficients(8)
+    assert a + b * 16 > 1.1 * curve[16]       # the line alone prices a 16-token verification 15% dear
+    assert costs.seconds(8, 16, 1) == pytest.approx(0.0412 + 0.002, rel=0.03)
+    assert costs.seconds(8, 14.5, 1) == pytest.approx(0.0412 + 0.002, rel=0.03)   # an expected count
+
+
+def _train_geometric(chooser, rate, rounds=600, k=3, seed=0):
+    """Head drafts with feature 0.9, each accepted with probability `rate` given the ones before were."""
+    rng = np.random.default_rng(seed)
+    for _ in range(rounds):
+        accepted = 0
+        while accepted < k and rng.uniform() < rate:
+            accepted += 1
+        chooser.predictor.observe(HEADS, np.full(k, 0.9), 1.0, 0, k, accepted)
+
+
+@pytest.mark.parametrize("step, head_steps, drafts", [(1.6, 1, 8), (1.03, 3, 24)])
+def test_the_round_stops_short_of_a_step_in_verification_cost_that_its_drafts_would_not_pay_for(
+        step, head_steps, drafts):
+    """Heads accepted 60% of the time at each position: where verifying more than 16 tokens costs 1.6
+    plain rounds, one head step runs and, run three, each row keeps its first draft only (the
+    budget, cut position by position); where it costs no more than 16, all three drafts of every row."""
+    chooser = DraftChooser(3, ("heads",), costs=_stepped_costs(step), probe_every=1000)
+    _train_geometric(chooser, 0.6)
+    view = _view(8)
+    assert chooser.head_steps(8, view) == head_steps
+    plan = chooser.assign(8, view, 3, np.full((8, 3), 0.9))
+    assert int(plan.num_drafts.sum()) == drafts and len(set(plan.num_drafts.tolist())) == 1
+    assert all(len(p) == n == len(f) for p, f, n in zip(plan.predicted, plan.features, plan.num_drafts))
+
+
+def test_a_budget_cuts_drafts_position_by_position_and_rows_in_order_within_a_position():
+    view = _view(4)
+    plan = RoundPlan(3, np.array([HEADS, HEADS, HISTORY, NONE]), np.array([3, 1, 2, 0]),
+                     [np.full(3, 0.5), np.full(1, 0.5), np.full(2, 0.5), np.zeros(0)],
+                     [np.full(3, 0.9), np.full(1, 0.9), np.full(2, 0.9), np.zeros(0)])
+    _keep_within(plan, 4)      # first drafts of rows 0, 1, 2; then row 0's second
+    assert plan.num_drafts.tolist() == [2, 1, 1, 0] and [len(p) for p in plan.predicted] == [2, 1, 1, 0]
+    _keep_within(plan, 2)
+    assert plan.num_drafts.tolist() == [1, 1, 0, 0] and plan.source.tolist() == [HEADS, HEADS, NONE, NONE]
+    assert view.active.all()
 
 
 def test_a_plain_round_is_timed_every_probe_every_drafting_rounds():

@@ -97,6 +97,52 @@ def test_sequence_distribution_unchanged_by_mixed_sources_in_one_batch(attention
     assert chi2_pvalue(plain, lossy) < 1e-6
 
 
+def budgeted_chooser(monkeypatch, share):
+    """The real chooser running every head step (k_max), every row wanting every draft (threshold near 0),
+    and a round budget of `share` of the drafts the rows wanted before drafting: every round cuts drafts
+    position by position, as a round stopping short of a step in verification cost does."""
+    monkeypatch.setattr(DraftChooser, "threshold", lambda self, bucket, active, rows=None: 1e-3)
+    monkeypatch.setattr(DraftChooser, "head_steps", lambda self, bucket, view: self.k_max)
+    monkeypatch.setattr(DraftChooser, "_best_budget",
+                        lambda self, bucket, rows, active, h, wanted, value: (int(share * wanted.sum()), 0.0))
+
+
+@pytest.mark.parametrize("attention", sorted(ATTENTION))
+@pytest.mark.parametrize("mode", ["greedy", "rejection"])
+def test_temperature_zero_drafts_cut_to_a_round_budget_equal_plain_decoding(attention, mode, monkeypatch):
+    budgeted_chooser(monkeypatch, 0.6)
+    policy = random_model(attention_config(attention, vocab_size=32), seed=1)
+    prompts = MIXED_PROMPTS + MIXED_PROMPTS[:2]
+    base = SamplingParams(max_new_tokens=30, temperature=0, ignore_eos=True)
+    plain = TorchEngine(policy).generate(prompts, base)
+    engine = TorchEngine(policy, random_heads(policy, 3, seed=2))
+    sp = replace(base, num_draft_tokens=3, draft_mode=mode)
+    for _ in range(2):     # the second call also has history drafts, cut with the heads'
+        out = engine.generate(prompts, sp)
+        assert [c.tokens for c in out.completions] == [c.tokens for c in plain.completions]
+    lengths = {n for c in out.completions for n in c.round_draft_tokens}
+    assert {1, 2} <= lengths and 3 not in lengths     # 60% of three drafts a row: none keeps all three
+
+
+@pytest.mark.parametrize("attention", sorted(ATTENTION))
+def test_sequence_distribution_unchanged_by_drafts_cut_to_a_round_budget(attention, monkeypatch):
+    """3-token continuations at T = 1, two head drafts wanted per row and 60% of them kept per round
+    (the first rows in each round keep both): the distribution of plain sampling; a lossy verifier fails."""
+    budgeted_chooser(monkeypatch, 0.6)
+    policy = random_model(attention_config(attention, vocab_size=5), seed=3)
+    engine = TorchEngine(policy, random_heads(policy, 2, seed=5), config=EngineConfig(draft_sources=("heads",)))
+    n, prompt = 4000, [[4, 2, 4, 2, 4]]
+    plain = [tuple(c.tokens) for c in TorchEngine(policy).generate(
+        prompt * n, SamplingParams(max_new_tokens=3, temperature=1.0, ignore_eos=True, seed=1)).completions]
+    sp = SamplingParams(max_new_tokens=3, temperature=1.0, ignore_eos=True, seed=2, num_draft_tokens=2)
+    batch = engine.generate(prompt * n, sp)
+    assert {1, 2} <= {d for c in batch.completions for d in c.round_draft_tokens}
+    assert chi2_pvalue(plain, [tuple(c.tokens) for c in batch.completions]) > 1e-3
+    monkeypatch.setattr(round_module, "rejection_sample", lossy_rejection_sample)
+    lossy = [tuple(c.tokens) for c in engine.generate(prompt * n, sp).completions]
+    assert chi2_pvalue(plain, lossy) < 1e-6
+
+
 @pytest.mark.parametrize("attention", sorted(ATTENTION))
 def test_history_only_drafting_needs_no_heads_and_is_lossless(attention):
     policy = random_model(attention_config(attention, vocab_size=32), seed=4)

@@ -2,21 +2,26 @@
 
 A drafted token pays where the tokens it is expected to add beat what the same time buys in plain
 decoding. A plain round of `bucket` rows makes `active` tokens in P seconds (timed; less where
-finished rows are not computed, RowView.computed_rows); a drafting
-round costs a + b * (tokens verified) + c * (head steps) (rollout.engine.round_cost), so a
+finished rows are not computed, RowView.computed_rows); a drafting round costs V(tokens verified) +
+c * (head steps) (rollout.engine.round_cost: V a measured curve around the line a + b * n), so a
 candidate token whose expected contribution (the product of the predicted acceptances up to it,
-rollout.engine.predictor) is at least b * active / P is worth its verification, and the round as a
-whole must also pay for what a drafting round costs beyond a plain one at the same width
-(a + b * bucket - P: the packed verification's index, rejection sampling): where the rows' drafts
-together are not expected to, the round runs plain. That threshold is fixed before any drafting, and
-each row keeps the leading drafts above it: whether position j is verified depends on features known by the time
-position j was drafted (the distribution it came from, never the sampled token, and nothing drafted
-after it), which keeps verification lossless (see rollout.engine.predictor).
+rollout.engine.predictor) is at least b * active / P is wanted by its row. That threshold is fixed
+before any drafting, and each row wants the leading drafts above it: whether position j is wanted
+depends on features known by the time position j was drafted (the distribution it came from, never
+the sampled token, and nothing drafted after it), which keeps verification lossless (see
+rollout.engine.predictor). The round then keeps a budget of the wanted drafts, position by position
+(every row's first before any row's second; `_keep_within`), the budget that promises the most tokens
+per second on V, where 0 runs the round plain: a drafting round costs more than a plain one at the
+same width (the packed verification's index, rejection sampling), and V can step (AMX computes 16
+rows per tile: at batch 8, 16 verified tokens cost about a plain round, 32 up to 1.6 of one). The
+budget is chosen on what was known before any row's first draft was drawn (the first position's
+feature, the levels after it, history counts), so cutting a row's drafts depends on its wants and
+the other rows' only: lossless too.
 
 Head steps run for the whole batch, so their number h is chosen once per round before drafting, as
-the h with the most expected tokens per modelled second: at first under the predictor's per-position
-levels, then on what recent rounds with h head steps returned per row (the expected tokens of the head
-drafts verified, rows whose drafts were not worth it counting zero). The levels alone assume every row
+the h whose best budget promises the most tokens per modelled second: at first under the predictor's
+per-position levels, then on what recent rounds with h head steps wanted per row and position (the
+expected tokens of the head drafts wanted, rows whose drafts were not worth it counting zero). The levels alone assume every row
 drafts at the average level; when rows' own features split around the threshold, many rounds ran the
 head steps and then verified nothing, each dearer than a plain round. Head steps must promise the
 bucket's margin over a plain round, as the round's drafts must (below): without it, a margin raised
@@ -131,27 +136,57 @@ class DraftChooser:
         _, b, _ = self.costs.coefficients(bucket)
         return self.margin.get(bucket, 1.0) * b * active / self.costs.plain_seconds(bucket, rows)
 
-    def _history_option(self, view: RowView, b: int, tau: float) -> tuple[int, np.ndarray, float]:
-        """(drafts kept, their predicted acceptances, expected tokens) of row b's history draft; what
-        head_steps() computed for this round is reused by assign() (host time is round time)."""
+    def _history_option(self, view: RowView, b: int, tau: float) -> tuple[int, np.ndarray, float, np.ndarray]:
+        """(drafts kept, their predicted acceptances, expected tokens, expected tokens per position) of
+        row b's history draft; what head_steps() computed for this round is reused by assign() (host
+        time is round time). A history draft is fixed before the round, so all of it is known before."""
         cached = self._history_options
         if cached is not None and cached[0] is view and cached[1] == tau and b in cached[2]:
             return cached[2][b]
         if not self.use_history or not view.history_tokens or not view.history_tokens[b]:
-            return 0, np.zeros(0), 0.0
+            return 0, np.zeros(0), 0.0, np.zeros(0)
         cond = view.history_cond[b][:self.k_max]
         acc = self.predictor.predict(HISTORY, cond, float(view.entropy[b]), int(view.history_match[b]))
         reach = np.cumprod(acc)
         n = int(np.argmin(reach >= tau)) if (reach < tau).any() else len(reach)
-        return n, acc[:n], float(reach[:n].sum())
+        return n, acc[:n], float(reach[:n].sum()), reach[:n]
 
     def _heads_levels(self, h: int) -> np.ndarray:
         """The heads' (source, position) levels for positions 1..h: the same for every row of a round."""
         return np.array([self.predictor.predict_marginal(HEADS, j) for j in range(1, h + 1)])
 
+    def _best_budget(self, bucket: int, rows: int, active: int, head_steps: int, wanted: np.ndarray,
+                     value: np.ndarray) -> tuple[int, float]:
+        """The round's budget of verified drafts. wanted [k], value [k]: the drafts the rows want at
+        chain positions 1..k (summed over rows; may be expected counts) and the tokens they are
+        expected to add. Drafts are kept position by position (every row's first before any row's
+        second; rows in order within a position), so budget D keeps the D best-placed; -> (D, the
+        round's tokens per second), D = 0: nothing verified (the head steps spent all the same).
+        Drafting must beat plain by the bucket's margin. The verification's price is the cost
+        model's curve, so a budget stops short of a step in it (AMX's 16-row tiles) where the drafts
+        past the step would not pay for it."""
+        c = self.costs.coefficients(bucket)[2] * head_steps
+        plain = active / (self.costs.plain_seconds(bucket, rows) + c)
+        total = float(wanted.sum())
+        if total <= 0:
+            return 0, plain
+        budgets = np.arange(int(math.ceil(total)) + 1, dtype=np.float64)    # [D]
+        kept = np.minimum(budgets, total)
+        before = np.concatenate([[0.0], np.cumsum(wanted)[:-1]])             # [k] drafts placed ahead of position j
+        share = np.clip((kept[:, None] - before) / np.maximum(wanted, 1e-12), 0.0, 1.0)   # [D, k]
+        tokens = active + share @ value
+        curve = self.costs.verify_curve(bucket, rows + budgets.size)
+        seconds = np.interp(rows + kept, np.arange(curve.size), curve) + c
+        rate = tokens / seconds / self.margin.get(bucket, 1.0)
+        rate[0] = plain
+        best = int(np.argmax(rate > rate.max() * (1 - 1e-9)))   # the smallest budget within rounding of the best
+        return best, float(rate[best])
+
     # ------------------------------------------------------------------ before drafting
     def head_steps(self, bucket: int, view: RowView) -> int:
-        """How many head steps this round runs (0 = none), from per-position levels."""
+        """How many head steps this round runs (0 = none): the h whose best budget promises the most
+        tokens per second, the heads' drafts valued at their per-position levels, or at what recent
+        rounds with h head steps wanted."""
         active = np.flatnonzero(view.active)
         if not self.use_heads or self.k_max == 0 or active.size == 0:
             return 0
@@ -162,24 +197,24 @@ class DraftChooser:
         hist = [self._history_option(view, int(b), tau) for b in active]
         self._history_options = (view, tau, dict(zip(active.tolist(), hist)))
         reach_all = np.cumprod(self._heads_levels(self.k_max))
-        margin = self.margin.get(bucket, 1.0)
         best_h, best_rate = 0, active.size / self.costs.plain_seconds(bucket, rows)    # a plain round
         for h in range(self.k_max + 1):
-            tokens, verified = float(active.size), rows
             reach = reach_all[:h]
-            n_head = int((reach >= tau).sum())                    # levels decrease along the chain
-            e_head = float(reach[:n_head].sum())
+            head_wanted = (reach >= tau).astype(np.float64)                # levels decrease along the chain
+            head_value = np.where(head_wanted > 0, reach, 0.0)
             realized = self._heads_per_row(bucket, h) if h else None
-            if realized is not None:    # what such rounds returned, rows below the threshold included
-                e_head, n_head = realized
-            for n_hist, _, e_hist in hist:
+            if realized is not None:    # what such rounds' rows wanted, rows below the threshold included
+                head_value, head_wanted = realized
+            e_head = float(head_value.sum())
+            wanted, value = np.zeros(self.k_max), np.zeros(self.k_max)
+            for n_hist, _, e_hist, hist_reach in hist:
                 if e_head > e_hist:
-                    tokens, verified = tokens + e_head, verified + n_head
+                    wanted[:h] += head_wanted
+                    value[:h] += head_value
                 else:
-                    tokens, verified = tokens + e_hist, verified + n_hist
-            rate = tokens / self.costs.seconds(bucket, verified, h)
-            if verified > rows or h:    # drafting must beat plain by the margin, as in _round_pays
-                rate /= margin
+                    wanted[:n_hist] += 1.0
+                    value[:n_hist] += hist_reach
+            _, rate = self._best_budget(bucket, rows, active.size, h, wanted, value)
             if rate > best_rate * (1 + 1e-9):
                 best_h, best_rate = h, rate
         return best_h
@@ -187,7 +222,13 @@ class DraftChooser:
     # ------------------------------------------------------------------ after drafting
     def assign(self, bucket: int, view: RowView, head_steps: int, head_feature: np.ndarray | None) -> RoundPlan:
         """Per row: source and drafts kept. head_feature [B, head_steps]: the max probability of
-        the heads' distribution at each drafted position (None without head steps)."""
+        the heads' distribution at each drafted position (None without head steps).
+
+        What a row wants is decided position by position on what was known when that position was
+        drafted (its distribution's feature; never the sampled token or anything drafted after it).
+        The source of each row, and the round's budget, are decided on what was known before any
+        row's first head token was drawn: the first position's feature and the levels of the
+        positions after it. Both keep verification lossless."""
         B = view.active.shape[0]
         active = np.flatnonzero(view.active)
         probe = head_steps > 0 and self.rounds_without_heads >= self.probe_wait[HEADS]
@@ -198,28 +239,28 @@ class DraftChooser:
         levels = self._heads_levels(head_steps)
         options = {}                              # row -> (history option, heads option)
         for b in active.tolist():
-            n_head, acc_head, e_head = 0, np.zeros(0), 0.0
+            n_head, acc_head, e_head, head_reach = 0, np.zeros(0), 0.0, np.zeros(0)
             if head_steps:
                 acc_head = self.predictor.predict(HEADS, head_feature[b], float(view.entropy[b]))
                 reach = np.cumprod(acc_head)
                 n_head = int(np.argmin(reach >= tau)) if (reach < tau).any() else head_steps
-                # the source is chosen on what was known before the first head token was drawn (its
-                # distribution's feature, and the levels of the positions after it), not on positions
-                # drafted from it
                 before = np.cumprod(np.concatenate([acc_head[:1], levels[1:]]))
-                e_head = float(before[:int(np.argmin(before >= tau)) if (before < tau).any() else head_steps].sum())
-            options[b] = (self._history_option(view, b, tau), (n_head, acc_head, e_head))
-        plan, expected = self._plan(B, view, head_steps, head_feature, options)
-        if plan.num_drafts.any() and not self._round_pays(bucket, rows, active.size, head_steps, float(expected.sum()),
-                                                          int(plan.num_drafts.sum())):
-            plan, expected = self._plan(B, view, head_steps, head_feature, {})
-        if head_steps:       # what head steps bought: head_steps() prices the next rounds' on it
-            heads = plan.source == HEADS
-            self._record_head_round(bucket, head_steps, active.size, float(expected[heads].sum()),
-                                    int(plan.num_drafts[heads].sum()))
+                head_reach = before[:int(np.argmin(before >= tau)) if (before < tau).any() else head_steps]
+                e_head = float(head_reach.sum())
+            options[b] = (self._history_option(view, b, tau), (n_head, acc_head, e_head, head_reach))
+        plan, reach_before = self._plan(B, view, head_steps, head_feature, options)
+        wanted, value = np.zeros(self.k_max), np.zeros(self.k_max)
+        for r in reach_before:
+            wanted[:r.size] += 1.0
+            value[:r.size] += r
+        budget, _ = self._best_budget(bucket, rows, active.size, head_steps, wanted, value)
+        if head_steps:       # what the heads' drafts were wanted for: head_steps() prices the next rounds' on it
+            heads = [reach_before[b] for b in np.flatnonzero(plan.source == HEADS)]
+            self._record_head_round(bucket, head_steps, active.size, heads)
+        _keep_within(plan, budget)
         if probe or probe_history:   # verify the source anyway (its estimates are otherwise never tested)
             forced = {}
-            for b, ((n_hist, acc_hist, e_hist), (n_head, acc_head, e_head)) in options.items():
+            for b, ((n_hist, acc_hist, e_hist, hist_reach), (n_head, acc_head, e_head, head_reach)) in options.items():
                 if probe:
                     n_head, e_head = max(n_head, 1), max(e_head, float(acc_head[0]))
                 elif view.history_tokens[b]:
@@ -227,7 +268,7 @@ class DraftChooser:
                     acc_hist = self.predictor.predict(HISTORY, view.history_cond[b][:n_hist], float(view.entropy[b]),
                                                       int(view.history_match[b]))
                     n_head = 0
-                forced[b] = ((n_hist, acc_hist, e_hist), (n_head, acc_head, e_head))
+                forced[b] = ((n_hist, acc_hist, e_hist, hist_reach), (n_head, acc_head, e_head, head_reach))
             plan, _ = self._plan(B, view, head_steps, head_feature, forced, prefer_heads=probe)
         for source, probed in ((HEADS, probe), (HISTORY, probe_history)):
             if probed:
@@ -244,48 +285,41 @@ class DraftChooser:
 
     @staticmethod
     def _plan(B: int, view: RowView, head_steps: int, head_feature: np.ndarray | None, options: dict,
-              prefer_heads: bool = False) -> tuple[RoundPlan, np.ndarray]:
+              prefer_heads: bool = False) -> tuple[RoundPlan, list[np.ndarray]]:
         """Each row's better option (rows without one, or absent from `options`, draft nothing), and
-        the tokens each row's drafts are expected to add [B]."""
+        per row the tokens its chosen drafts were expected to add at each position, known before
+        its first draft was drawn."""
         source, num = np.full(B, NONE), np.zeros(B, dtype=np.int64)
         predicted, features = [np.zeros(0)] * B, [np.zeros(0)] * B
-        expected = np.zeros(B)
-        for b, ((n_hist, acc_hist, e_hist), (n_head, acc_head, e_head)) in options.items():
+        reach_before = [np.zeros(0)] * B
+        for b, ((n_hist, acc_hist, e_hist, hist_reach), (n_head, acc_head, e_head, head_reach)) in options.items():
             if n_head and e_head > 0 and (e_head >= e_hist or prefer_heads):
                 source[b], num[b], predicted[b] = HEADS, n_head, acc_head[:n_head]
-                features[b], expected[b] = head_feature[b][:n_head], e_head
+                features[b], reach_before[b] = head_feature[b][:n_head], head_reach
             elif n_hist:
                 source[b], num[b], predicted[b] = HISTORY, n_hist, acc_hist
-                features[b], expected[b] = view.history_cond[b][:n_hist], e_hist
-        return RoundPlan(head_steps, source, num, predicted, features), expected
+                features[b], reach_before[b] = view.history_cond[b][:n_hist], hist_reach
+        return RoundPlan(head_steps, source, num, predicted, features), reach_before
 
-    def _record_head_round(self, bucket: int, h: int, active: int, tokens: float, drafts: int) -> None:
-        """A round that ran h head steps: the tokens its heads drafts were expected to add and how
-        many it verified, per active row, in the plan the chooser would have made without probing
-        (rows whose drafts were not worth verifying count as zero)."""
+    def _record_head_round(self, bucket: int, h: int, active: int, heads_reach: list[np.ndarray]) -> None:
+        """A round that ran h head steps: per chain position, the head drafts its rows wanted and the
+        tokens those were expected to add, per active row (rows whose drafts were not worth verifying
+        count as zero), in the plan the chooser would have made without probing or a budget."""
         if active == 0:
             return
-        weight, e, n = self._head_rounds.get((bucket, h), (0.0, 0.0, 0.0))
+        wanted, value = np.zeros(h), np.zeros(h)
+        for r in heads_reach:
+            wanted[:r.size] += 1.0
+            value[:r.size] += r
+        weight, e, n = self._head_rounds.get((bucket, h), (0.0, np.zeros(h), np.zeros(h)))
         decay = 0.5 ** (1.0 / HEAD_ROUNDS_HALFLIFE)
-        self._head_rounds[(bucket, h)] = (weight * decay + 1.0, e * decay + tokens / active,
-                                          n * decay + drafts / active)
+        self._head_rounds[(bucket, h)] = (weight * decay + 1.0, e * decay + value / active, n * decay + wanted / active)
 
-    def _heads_per_row(self, bucket: int, h: int) -> tuple[float, float] | None:
-        """What rounds with h head steps recently returned per active row: (expected tokens from head
-        drafts, head drafts verified), or None before HEAD_ROUNDS_MIN such rounds."""
-        weight, e, n = self._head_rounds.get((bucket, h), (0.0, 0.0, 0.0))
+    def _heads_per_row(self, bucket: int, h: int) -> tuple[np.ndarray, np.ndarray] | None:
+        """What rounds with h head steps recently wanted per active row, per chain position: (expected
+        tokens from head drafts [h], head drafts [h]), or None before HEAD_ROUNDS_MIN such rounds."""
+        weight, e, n = self._head_rounds.get((bucket, h), (0.0, None, None))
         return (e / weight, n / weight) if weight >= HEAD_ROUNDS_MIN else None
-
-    def _round_pays(self, bucket: int, rows: int, active: int, head_steps: int, expected: float,
-                    drafts: int) -> bool:
-        """Whether verifying `drafts` drafts expected to add `expected` tokens beats a plain round of
-        `rows` computed rows, the head steps being spent either way. `expected` is computed from what
-        was known before each row's first draft was drawn (the heads' first feature and per-position
-        levels, or history counts), so dropping a row's drafts here never depends on the tokens drafted."""
-        spent = self.costs.coefficients(bucket)[2] * head_steps
-        drafting = self.costs.seconds(bucket, rows + drafts, head_steps)
-        plain = self.costs.plain_seconds(bucket, rows) + spent
-        return (active + expected) / drafting >= self.margin.get(bucket, 1.0) * active / plain
 
     def settle(self, bucket: int, plan: RoundPlan, active: int, tokens: int, seconds: float,
                context: float = 0.0, rows: int | None = None) -> None:
@@ -368,6 +402,22 @@ class DraftChooser:
         self.rounds_without_heads += self.use_heads
         self.rounds_without_history += self.use_history
         return True
+
+
+def _keep_within(plan: RoundPlan, budget: int) -> None:
+    """Cut the plan's drafts to `budget`, position by position: every row's first draft before any
+    row's second, rows in order within a position. Whether a row's draft at position j is kept depends
+    on the row wanting it (its features up to j) and on the other rows' wants, never on tokens the row
+    drafted: verification stays lossless."""
+    num = plan.num_drafts
+    if int(num.sum()) <= budget:
+        return
+    wants = np.arange(int(num.max()))[:, None] < num[None, :]          # [k, B] position-major
+    kept = (wants & (np.cumsum(wants.ravel()).reshape(wants.shape) <= budget)).sum(0)     # [B]
+    for b in np.flatnonzero(kept < num):
+        plan.predicted[b], plan.features[b] = plan.predicted[b][:kept[b]], plan.features[b][:kept[b]]
+    plan.num_drafts = kept.astype(np.int64)
+    plan.source = np.where(kept > 0, plan.source, NONE)
 
 
 def fixed_plan(view: RowView, k: int) -> RoundPlan:

@@ -21,7 +21,7 @@ import torch
 
 from mtp_heads.heads import MTPHeads
 from rollout.engine.chooser import HEADS, HISTORY, DraftChooser, RoundPlan, RowView, fixed_plan
-from rollout.engine.config import bucket
+from rollout.engine.config import PACK_MULTIPLE, bucket, packed_tokens
 from rollout.engine.forwards import Forwards
 from rollout.engine.state import DecodeState
 from rollout.models.decoder import CausalLM, set_read_len
@@ -88,9 +88,6 @@ class RoundResult:
 
 
 READ_WINDOW_STEP = 32   # the caches' read window grows in steps of this many positions
-PACK_MULTIPLE = 4       # packed forwards of more tokens than this are padded to a multiple of it (fewer new
-                        # shapes: oneDNN pays ~0.7 ms per linear for each new row count on first use); smaller
-                        # ones run exact (batch 1: padding 2 tokens to 4 cost ~1 ms of a ~14 ms round)
 
 
 def round_slack(k: int, verify_widths: tuple[int, ...], head_width: int, num_depths: int) -> int:
@@ -237,7 +234,7 @@ def _verify_packed(ctx: RoundContext, st: DecodeState, tokens: torch.Tensor, num
     drafts = num_drafts[seqs]                                                             # [S]
     counts = drafts + 1
     total = int(counts.sum())
-    pad = -total % PACK_MULTIPLE if total > PACK_MULTIPLE else 0
+    pad = packed_tokens(total) - total
     counts_padded = counts.clone()
     counts_padded[-1] += pad
     starts = torch.zeros(seqs.numel() + 1, dtype=torch.long, device=dev)

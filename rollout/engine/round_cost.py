@@ -28,6 +28,15 @@ context: each round's seconds are divided by 1 + kappa * context, kappa fitted (
 rounds' seconds against their context. Unnormalised, a plain price timed late in one call made the
 first rounds of the next look cheap to draft in, and drafting rounds, which time few plain rounds,
 kept that stale price.
+
+A verification's cost is not linear in its tokens everywhere: on Intel's AMX a matrix product
+computes 16 rows per tile, so at batch 8 a packed verification of 16 tokens cost 2-4% more than a
+plain round and one of 32 tokens 21-59% more, a step the line a + b * n cannot show (it priced the
+32-token round cheap and the 16-token one dear). So each verified count n also keeps its own record:
+the decayed mean of its rounds' time (less their head steps) over the plain price of the moment (a
+ratio, so that the machine's drift, which the plain price follows, does not age it), shrunk towards
+the line where n has few rounds, and made non-decreasing in n (`verify_curve`). A count that stops
+being chosen keeps what it cost, so it is not re-tried every time its record would have faded.
 """
 from __future__ import annotations
 
@@ -38,7 +47,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import torch
 
-from rollout.engine.config import bucket
+from rollout.engine.config import bucket, packed_tokens
 
 # prior shares of a plain round: a verified token costs PRIOR_TOKEN / batch of it (a plain round
 # verifies `batch` tokens), a head step PRIOR_HEAD of it. Optimistic against what 2-core CPUs
@@ -48,6 +57,7 @@ PRIOR_TOKEN = 0.15
 PRIOR_HEAD = 0.05
 CONTEXT_UNIT = 1000.0       # tokens: the context regressor's scale
 CONTEXT_MIN_ROUNDS = 8.0    # plain rounds before kappa is fitted (0 before)
+CURVE_HALFLIFE = 32.0       # rounds of one verified count, over which its record fades
 
 
 def cost_clock(device: torch.device) -> Callable[[], float]:
@@ -78,6 +88,8 @@ class RoundCostModel:
         self._ctx_xtx: dict[int, np.ndarray] = {}  # bucket -> plain rounds' decayed sums, x = (1, context)
         self._ctx_xty: dict[int, np.ndarray] = {}
         self._kappa: dict[int, float] = {}
+        self._by_count: dict[int, np.ndarray] = {}   # bucket -> [2, n] decayed (sum of ratios to plain, rounds) per count
+        self._curve: dict[int, np.ndarray] = {}
 
     def observe(self, bucket: int, tokens: int, head_steps: int, seconds: float, context: float = 0.0,
                 head_seconds: float | None = None) -> None:
@@ -105,6 +117,7 @@ class RoundCostModel:
             old = self._plain.get(bucket)
             self._plain[bucket] = unit if old is None else 0.9 * old + 0.1 * unit
         self._coef.pop(bucket, None)
+        self._curve.pop(bucket, None)
         if plain_round:
             self._timed_plain.add(bucket)
             return
@@ -113,11 +126,23 @@ class RoundCostModel:
             old = self._heads.get(bucket, np.zeros(2))
             self._heads[bucket] = old * self.decay + np.array([head_seconds, head_steps])
             seconds -= head_seconds
+        if bucket in self._timed_plain:
+            self._observe_count(bucket, tokens, seconds / self._plain[bucket])
         x = np.array([1.0, tokens - bucket])     # centred: the intercept is a round verifying the bucket's tokens
         if bucket not in self._xtx:
             self._xtx[bucket], self._xty[bucket] = np.zeros((2, 2)), np.zeros(2)
         self._xtx[bucket] = self._xtx[bucket] * self.decay + np.outer(x, x)
         self._xty[bucket] = self._xty[bucket] * self.decay + x * seconds
+
+    def _observe_count(self, bucket: int, tokens: int, ratio: float) -> None:
+        n = packed_tokens(tokens)
+        record = self._by_count.get(bucket)
+        if record is None or record.shape[1] <= n:
+            grown = np.zeros((2, max(n + 1, 2 * (record.shape[1] if record is not None else bucket))))
+            if record is not None:
+                grown[:, :record.shape[1]] = record
+            self._by_count[bucket] = record = grown
+        record[:, n] = record[:, n] * 0.5 ** (1.0 / CURVE_HALFLIFE) + (ratio, 1.0)
 
     def _observe_context(self, bucket: int, context: float, seconds: float) -> None:
         x = np.array([1.0, context / CONTEXT_UNIT])
@@ -180,12 +205,35 @@ class RoundCostModel:
         self._coef[bucket] = coef
         return tuple(coef)
 
+    def verify_curve(self, bucket: int, max_tokens: int) -> np.ndarray:
+        """[max_tokens + 1]: seconds of a drafting round of this bucket verifying n tokens, less its
+        head steps: each packed count's own record shrunk towards the line a + b * n, non-decreasing in n."""
+        curve = self._curve.get(bucket)
+        if curve is not None and curve.size > max_tokens:
+            return curve[:max_tokens + 1]
+        a, b, _ = self.coefficients(bucket)
+        plain = self._plain.get(bucket, 1.0)
+        n = np.arange(max(max_tokens, 2 * bucket) + 1)
+        packed = np.array([packed_tokens(int(i)) for i in n])
+        line = a + b * packed
+        record = self._by_count.get(bucket)
+        if record is not None:
+            ratios, rounds = np.zeros(packed.size), np.zeros(packed.size)
+            seen = packed < record.shape[1]
+            ratios[seen], rounds[seen] = record[0, packed[seen]], record[1, packed[seen]]
+            line = (ratios * plain + self.prior_weight * line) / (rounds + self.prior_weight)
+        curve = np.maximum.accumulate(line)
+        self._curve[bucket] = curve
+        return curve[:max_tokens + 1]
+
     def seconds(self, bucket: int, tokens: int, head_steps: int) -> float:
         """A round verifying `tokens` tokens after `head_steps` head steps (a plain round: tokens <= bucket, 0)."""
         if head_steps == 0 and tokens <= bucket:
             return self.plain_seconds(bucket, tokens)
-        a, b, c = self.coefficients(bucket)
-        return a + b * tokens + c * head_steps
+        c = self.coefficients(bucket)[2]
+        low = int(tokens)       # tokens may be an expected count: between two counts, interpolated
+        curve = self.verify_curve(bucket, low + 1)
+        return float(curve[low] + (tokens - low) * (curve[low + 1] - curve[low])) + c * head_steps
 
     def plain_decode_seconds(self, rounds: Sequence[int], buckets: tuple[int, ...], context: float = 0.0,
                              packed: bool = False) -> float:
