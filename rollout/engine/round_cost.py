@@ -3,8 +3,10 @@
 Per batch bucket: a plain round (no drafts, no head steps) costs what plain rounds measured (a
 decayed mean); a round that drafts costs a + b * (tokens verified) + c * (head steps): c is what
 its head steps took, timed apart by the engine (their time per step, decayed), and a + b * tokens is
-fitted by decayed least squares to the rest of recent drafting rounds' time (the machine's speed
-drifts by tens of percent within minutes, so old rounds fade with `halflife`). Fitted jointly from
+fitted by decayed least squares to the rest of recent drafting rounds' time, each as a ratio to the
+plain price of its moment (the machine's speed drifts by tens of percent within minutes, up to 1.7x
+within a call on a shared Xeon: fitted in seconds, the line priced drafting at the old speed against a
+plain price that had followed the machine; old rounds also fade with `halflife`). Fitted jointly from
 round times alone, c was not identifiable: rounds with more head steps also verify more tokens, and
 on a noisy machine the fit swung between c = 0 (head steps free: every round ran two) and twice
 their real cost (no round ran one) within one process. The two are kept
@@ -46,6 +48,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
+from scipy.optimize import isotonic_regression
 
 from rollout.engine.config import bucket, packed_tokens
 
@@ -78,7 +81,7 @@ class RoundCostModel:
         self.decay = 0.5 ** (1.0 / halflife)
         self.prior_weight = prior_weight
         self._xtx: dict[int, np.ndarray] = {}      # bucket -> decayed sum of x x^T, x = (1, n - bucket)
-        self._xty: dict[int, np.ndarray] = {}      # ... of x * (seconds less the head steps')
+        self._xty: dict[int, np.ndarray] = {}      # ... of x * (seconds less the head steps') / the plain price
         self._heads: dict[int, np.ndarray] = {}    # bucket -> decayed (head steps' seconds, head steps)
         self._plain: dict[int, float] = {}        # bucket -> decayed mean of plain-round seconds
         self._timed_plain: set[int] = set()       # buckets where a plain round itself was timed
@@ -132,7 +135,7 @@ class RoundCostModel:
         if bucket not in self._xtx:
             self._xtx[bucket], self._xty[bucket] = np.zeros((2, 2)), np.zeros(2)
         self._xtx[bucket] = self._xtx[bucket] * self.decay + np.outer(x, x)
-        self._xty[bucket] = self._xty[bucket] * self.decay + x * seconds
+        self._xty[bucket] = self._xty[bucket] * self.decay + x * (seconds / self._plain[bucket])
 
     def _observe_count(self, bucket: int, tokens: int, ratio: float) -> None:
         n = packed_tokens(tokens)
@@ -192,11 +195,11 @@ class RoundCostModel:
         if bucket in self._coef:
             return tuple(self._coef[bucket])
         plain = self._plain.get(bucket, 1.0)
-        prior = np.array([plain, plain * PRIOR_TOKEN / bucket])     # (a + b * bucket, b)
+        prior = np.array([1.0, PRIOR_TOKEN / bucket])     # (a + b * bucket, b) in plain rounds
         scale = np.array([1.0, float(bucket)])     # a ridge penalty in units of each term's typical size
         ridge = self.prior_weight * np.diag(scale ** 2)
         xtx, xty = self._xtx.get(bucket, np.zeros((2, 2))), self._xty.get(bucket, np.zeros(2))
-        at_bucket, b = np.linalg.solve(xtx + ridge, xty + ridge @ prior)
+        at_bucket, b = plain * np.linalg.solve(xtx + ridge, xty + ridge @ prior)
         b = max(b, plain * 0.01 / bucket)                             # a verified token is never free
         a = at_bucket - b * bucket
         head_s, steps = self._heads.get(bucket, np.zeros(2))
@@ -213,16 +216,19 @@ class RoundCostModel:
             return curve[:max_tokens + 1]
         a, b, _ = self.coefficients(bucket)
         plain = self._plain.get(bucket, 1.0)
-        n = np.arange(max(max_tokens, 2 * bucket) + 1)
-        packed = np.array([packed_tokens(int(i)) for i in n])
-        line = a + b * packed
+        packed = np.array([packed_tokens(n) for n in range(max(max_tokens, 2 * bucket) + 1)])
+        counts = np.unique(packed)                                  # the shapes a verification runs at
+        ratios, rounds = np.zeros(counts.size), np.zeros(counts.size)
         record = self._by_count.get(bucket)
         if record is not None:
-            ratios, rounds = np.zeros(packed.size), np.zeros(packed.size)
-            seen = packed < record.shape[1]
-            ratios[seen], rounds[seen] = record[0, packed[seen]], record[1, packed[seen]]
-            line = (ratios * plain + self.prior_weight * line) / (rounds + self.prior_weight)
-        curve = np.maximum.accumulate(line)
+            seen = counts < record.shape[1]
+            ratios[seen], rounds[seen] = record[0, counts[seen]], record[1, counts[seen]]
+        shrunk = (ratios * plain + self.prior_weight * (a + b * counts)) / (rounds + self.prior_weight)
+        # non-decreasing in n, each count weighted by its rounds: a count without any (below the
+        # bucket's width, where no drafting round verifies) is pooled into the measured ones next to it
+        # rather than raising every count after it
+        weight = np.where(rounds > 0, rounds + self.prior_weight, 1e-3)
+        curve = isotonic_regression(shrunk, weights=weight).x[np.searchsorted(counts, packed)]
         self._curve[bucket] = curve
         return curve[:max_tokens + 1]
 
