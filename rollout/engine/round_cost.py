@@ -37,7 +37,8 @@ plain round and one of 32 tokens 21-59% more, a step the line a + b * n cannot s
 32-token round cheap and the 16-token one dear). So each verified count n also keeps its own record:
 the decayed mean of its rounds' time (less their head steps) over the plain price of the moment (a
 ratio, so that the machine's drift, which the plain price follows, does not age it), shrunk towards
-the line where n has few rounds, and made non-decreasing in n (`verify_curve`). A count that stops
+the line where n has few rounds, and made non-decreasing in n by isotonic regression weighted by
+each count's rounds (`verify_curve`). A count that stops
 being chosen keeps what it cost, so it is not re-tried every time its record would have faded.
 """
 from __future__ import annotations
