@@ -15,6 +15,7 @@ from mtp_heads.eagle3 import draft_greedy, init_eagle3
 from mtp_heads.eagle3_checkpoint import CONFIG_FILE, save_eagle3
 from mtp_heads.eagle3_drafter import Eagle3Heads
 from mtp_heads.shipped import resolve_heads
+from rollout.engine.chooser import DraftChooser
 from rollout.engine.config import EngineConfig
 from rollout.models.decoder import random_model
 from rollout.torch_engine import TorchEngine
@@ -92,8 +93,9 @@ def test_every_engine_draft_equals_the_reference_drafting_function(eagle, length
     teacher-forced drafter cache over committed positions (fc of the aux states from prefill and
     verification) and the recurrence on the pre-norm state."""
     policy, drafter, heads = eagle
-    if lengths == "chosen":
+    if lengths == "chosen":       # per-row lengths and sources, every round with head steps: many drafts to check
         eager_chooser(monkeypatch)
+        monkeypatch.setattr(DraftChooser, "head_steps", lambda self, bucket, view: self.k_max)
     records = []
     real_draft = round_module.draft
 

@@ -21,10 +21,16 @@ from tests.test_torch_engine import ATTENTION, attention_config
 
 
 def eager_chooser(monkeypatch):
-    """The real chooser with a threshold near 0, so that every row drafts whatever it has, and odd rows
-    that have a history draft take it: the widest mix of sources and lengths in one batch, which is what
-    losslessness must survive (the choice depends on the row and its history, as the real one may)."""
+    """The real chooser with a threshold near 0 and no round budget, so that every row drafts whatever it
+    has (the head steps still chosen on the round's measured costs), and odd rows that have a history
+    draft take it: the widest mix of sources and lengths in one batch, which is what losslessness must
+    survive (the choice depends on the row and its history, as the real one may)."""
     monkeypatch.setattr(DraftChooser, "threshold", lambda self, bucket, active, rows=None: 1e-3)
+    best_budget = DraftChooser._best_budget
+
+    def keep_all(self, bucket, rows, active, head_steps, wanted, value):
+        return int(np.ceil(wanted.sum())), best_budget(self, bucket, rows, active, head_steps, wanted, value)[1]
+    monkeypatch.setattr(DraftChooser, "_best_budget", keep_all)
     assign = DraftChooser.assign
 
     def mixed(self, bucket, view, head_steps, head_feature):
