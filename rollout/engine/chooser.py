@@ -249,11 +249,7 @@ class DraftChooser:
                 e_head = float(head_reach.sum())
             options[b] = (self._history_option(view, b, tau), (n_head, acc_head, e_head, head_reach))
         plan, reach_before = self._plan(B, view, head_steps, head_feature, options)
-        wanted, value = np.zeros(self.k_max), np.zeros(self.k_max)
-        for r in reach_before:
-            wanted[:r.size] += 1.0
-            value[:r.size] += r
-        budget, _ = self._best_budget(bucket, rows, active.size, head_steps, wanted, value)
+        budget, _ = self._best_budget(bucket, rows, active.size, head_steps, *_by_position(reach_before, self.k_max))
         if head_steps:       # what the heads' drafts were wanted for: head_steps() prices the next rounds' on it
             heads = [reach_before[b] for b in np.flatnonzero(plan.source == HEADS)]
             self._record_head_round(bucket, head_steps, active.size, heads)
@@ -307,10 +303,7 @@ class DraftChooser:
         count as zero), in the plan the chooser would have made without probing or a budget."""
         if active == 0:
             return
-        wanted, value = np.zeros(h), np.zeros(h)
-        for r in heads_reach:
-            wanted[:r.size] += 1.0
-            value[:r.size] += r
+        wanted, value = _by_position(heads_reach, h)
         weight, e, n = self._head_rounds.get((bucket, h), (0.0, np.zeros(h), np.zeros(h)))
         decay = 0.5 ** (1.0 / HEAD_ROUNDS_HALFLIFE)
         self._head_rounds[(bucket, h)] = (weight * decay + 1.0, e * decay + value / active, n * decay + wanted / active)
@@ -402,6 +395,16 @@ class DraftChooser:
         self.rounds_without_heads += self.use_heads
         self.rounds_without_history += self.use_history
         return True
+
+
+def _by_position(reaches: list[np.ndarray], k: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per chain position 1..k, summed over rows: the drafts wanted and the tokens they are expected to
+    add, from each row's expected reach at its wanted positions."""
+    wanted, value = np.zeros(k), np.zeros(k)
+    for reach in reaches:
+        wanted[:reach.size] += 1.0
+        value[:reach.size] += reach
+    return wanted, value
 
 
 def _keep_within(plan: RoundPlan, budget: int) -> None:
