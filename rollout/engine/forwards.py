@@ -67,16 +67,17 @@ class Forwards:
         # tokens [B, T] at positions start[b] .. start[b]+T-1 -> final-norm hidden [B, T, d]
         model = self.policy.model
         positions = start[:, None] + torch.arange(tokens.shape[1], device=tokens.device)
-        cos, sin = model.rotary(positions)
+        rope = model.rotary(positions)
         x = model.embed_tokens(tokens)
         aux = [x] if 0 in aux_layers else []
         if not self.compiled:   # the cache itself: its layers share one attention plan and its read window
             for i, layer in enumerate(model.layers):
-                x = layer(x, (cos, sin), positions, cache, i)
+                x = layer(x, rope, positions, cache, i)
                 if aux_layers and i + 1 in aux_layers:
                     aux.append(x)
         else:
             key = ("layer", tuple(tokens.shape), cache.max_len)
+            cos, sin = rope
             for i, layer in enumerate(model.layers):
                 x = self._call(key, self._layer, layer, x, cos, sin, positions, cache.k[i], cache.v[i])
                 if aux_layers and i + 1 in aux_layers:
@@ -93,13 +94,13 @@ class Forwards:
         go to the attention kernel as they are, without padding."""
         model = self.policy.model
         positions = positions[None]                                                   # [1, N]
-        cos, sin = model.rotary(positions)
+        rope = model.rotary(positions)
         x = model.embed_tokens(tokens[None])
         aux = [x] if 0 in aux_layers else []
         cache.packed(rows, query_start, seqs)
         try:
             for i, layer in enumerate(model.layers):
-                x = layer(x, (cos, sin), positions, cache, i)
+                x = layer(x, rope, positions, cache, i)
                 if aux_layers and i + 1 in aux_layers:
                     aux.append(x)
         finally:

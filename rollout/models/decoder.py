@@ -59,6 +59,27 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
     return inv.float()
 
 
+class Rope(tuple):
+    """(cos, sin), each [B, 1, T, hd] float32, for the positions of one forward: every attention of the
+    forward unpacks it. `kernel_table` gives the same angles as vLLM's rotary kernel takes them, made
+    once per forward and dtype and shared by its layers."""
+
+    def __new__(cls, cos: torch.Tensor, sin: torch.Tensor):
+        rope = super().__new__(cls, (cos, sin))
+        rope._tables = {}
+        return rope
+
+    def kernel_table(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (index [B*T] int64: token i's row, table [B*T, hd] in dtype: cos then sin of token i's
+        hd/2 frequencies)."""
+        if dtype not in self._tables:
+            cos, sin = self
+            half = cos.shape[-1] // 2
+            table = torch.cat([cos[..., :half], sin[..., :half]], -1).reshape(-1, 2 * half).to(dtype)
+            self._tables[dtype] = (torch.arange(table.shape[0], device=table.device), table)
+        return self._tables[dtype]
+
+
 class Rotary(nn.Module):
     """cos/sin lookup by absolute position (HF rotate_half layout)."""
 
@@ -66,11 +87,11 @@ class Rotary(nn.Module):
         super().__init__()
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
 
-    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        # positions [B, T] -> cos, sin [B, 1, T, hd]
+    def forward(self, positions: torch.Tensor) -> Rope:
+        # positions [B, T] -> (cos, sin) [B, 1, T, hd] each
         freqs = positions.float()[..., None] * self.inv_freq
         emb = torch.cat([freqs, freqs], dim=-1)[:, None]
-        return emb.cos(), emb.sin()
+        return Rope(emb.cos(), emb.sin())
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -201,7 +222,14 @@ class Attention(nn.Module):
         B, T, _ = x.shape
         H, H_kv = self.n_heads, self.n_kv
         projections = (self.q_proj, self.k_proj, self.v_proj)
-        qkv = linear_concat(x, [p.weight for p in projections], [p.bias for p in projections])
+        qkv = linear_concat(x, [p.weight for p in projections], [p.bias for p in projections])  # [B, T, n]
+        if self.q_norm is None and isinstance(rope, Rope) and vllm_kernels.rotary_applies(qkv):
+            flat = qkv.view(B * T, -1)                               # a fresh tensor: rotated in place
+            index, table = rope.kernel_table(qkv.dtype)
+            vllm_kernels.rotary_in_place(index, flat[:, :H * self.hd], flat[:, H * self.hd:(H + H_kv) * self.hd],
+                                         self.hd, table)
+            qkv = qkv.view(B, T, H + 2 * H_kv, self.hd).transpose(1, 2)
+            return qkv[:, :H], qkv[:, H:H + H_kv], qkv[:, H + H_kv:]
         qkv = qkv.view(B, T, H + 2 * H_kv, self.hd).transpose(1, 2)                 # [B, H + 2 H_kv, T, hd]
         cos, sin = rope
         if self.q_norm is None:   # q and k rotated in one pass

