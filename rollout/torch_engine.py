@@ -36,7 +36,7 @@ from rollout.engine.state import DecodeState, Results, gather_rows
 from rollout.models.decoder import Cache, CausalLM, set_read_len
 from rollout.models.paged_attention import PagedKVCache
 from rollout.types import RolloutBatch, SamplingParams, validate_request
-from rollout.verify import KeyedDraws, process_logits_with_stats, sample
+from rollout.verify import KeyedDraws, process_logits_with_stats, raw_log_normalizer, sample
 
 __all__ = ["TorchEngine", "EngineConfig"]
 
@@ -262,7 +262,8 @@ class TorchEngine:
         last_logits = self.policy.compute_logits(hidden[rows, lengths - 1])              # [B, V]
         probs, ent, p_max = process_logits_with_stats(last_logits, sp.temperature, sp.top_k, sp.top_p)
         first = sample(probs, KeyedDraws(seed, row_ids, lengths))                      # [B]
-        logp = last_logits.gather(1, first[:, None]) - last_logits.logsumexp(-1, keepdim=True)
+        log_z = raw_log_normalizer(last_logits, sp.temperature, sp.top_k, sp.top_p, p_max)   # [B]
+        logp = last_logits.gather(1, first[:, None]) - log_z[:, None]
         commit(ctx, st, first[:, None], torch.zeros(B, dtype=torch.long, device=dev), logp,
                ent[:, None], p_max[:, None])
         if heads is not None:

@@ -209,3 +209,15 @@ def test_q_over_a_draft_vocabulary_verifies_as_q_scattered_over_the_whole_vocabu
     assert ((dense_n < num_drafts) & ~point_mass).any() and (dense_n == num_drafts).any()   # recovered and bonus
     with pytest.raises(ValueError, match="draft vocabulary"):
         rejection_sample(drafts, q_full, p, gen, draft_vocab=vocab)
+
+
+@pytest.mark.parametrize("temperature, top_k, top_p", [(1.0, 0, 1.0), (0.6, 0, 1.0), (1.0, 5, 1.0), (1.0, 0, 0.9)])
+def test_the_raw_log_normalizer_is_logsumexp_of_the_raw_logits(temperature, top_k, top_p):
+    """Read off p_max at T = 1 without top-k / top-p, a pass over the vocabulary elsewhere: either way the
+    log-probability a rollout records is log softmax of the raw logits."""
+    from rollout.verify import process_logits_with_stats, raw_log_normalizer
+    logits = torch.randn(6, 4000, generator=torch.Generator().manual_seed(0)) * 4
+    _, _, p_max = process_logits_with_stats(logits, temperature, top_k, top_p)
+    got = raw_log_normalizer(logits, temperature, top_k, top_p, p_max)
+    assert torch.allclose(got, logits.logsumexp(-1), rtol=0, atol=1e-5)
+    assert not torch.allclose(got, logits.amax(-1), rtol=0, atol=1e-2)      # not the max alone

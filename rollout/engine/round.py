@@ -27,7 +27,8 @@ from rollout.engine.state import DecodeState
 from rollout.models.decoder import CausalLM, set_read_len
 from rollout.models.paged_attention import PagedKVCache
 from rollout.types import SamplingParams
-from rollout.verify import DRAFT, KeyedDraws, process_logits, process_logits_with_stats, rejection_sample, sample
+from rollout.verify import (DRAFT, KeyedDraws, process_logits, process_logits_with_stats, raw_log_normalizer,
+                            rejection_sample, sample)
 
 PHASES = ("draft", "verify", "accept", "commit")
 
@@ -138,7 +139,8 @@ def run_round(ctx: RoundContext, st: DecodeState, view: RowView, chooser: DraftC
         tokens = torch.cat([pending, drafts], dim=1)                                       # [B, k+1]
         live = np.flatnonzero(view.active)                                                 # [S] host
         packs = isinstance(st.target, PagedKVCache) and not ctx.forwards.compiled
-        if packs and 0 < live.size and (k > 0 or live.size < B):
+        padded_rows = not (packs and 0 < live.size and (k > 0 or live.size < B))   # row b's position j at b*(k+1)+j
+        if not padded_rows:
             hidden, index, verified = _verify_packed(ctx, st, tokens, num_drafts, live)   # [N, d], [B, k+1]
         else:
             width = bucket(k + 1, ctx.verify_widths)
@@ -157,14 +159,15 @@ def run_round(ctx: RoundContext, st: DecodeState, view: RowView, chooser: DraftC
     with ctx.times.phase("accept", dev):
         if k == 0:   # a plain step: nothing to verify, the token is a draw from p
             num_accepted = torch.zeros(B, dtype=torch.long, device=dev)
-            output = sample(target_probs[index[:, 0]], keys)[:, None]
+            output = sample(target_probs if padded_rows else target_probs[index[:, 0]], keys)[:, None]
         else:
             heads_q = None if (q is None or sp.draft_mode == "greedy") else q[:, :k]
             output, num_accepted = _accept_unfinished(ctx, st, live, drafts, heads_q, q_vocab, target_probs,
                                                       num_drafts, index, point_mass, keys)
     with ctx.times.phase("commit", dev):
         emitted = output.clamp_min(0)
-        logp = logits[index, emitted] - logits.logsumexp(-1)[index]                       # [B, k+1]
+        log_z = raw_log_normalizer(logits, sp.temperature, sp.top_k, sp.top_p, p_max)      # [N]
+        logp = logits[index, emitted] - log_z[index]                                       # [B, k+1]
         commit(ctx, st, output, num_accepted, logp, ent[index], p_max[index])
     ctx.times.rounds += 1
     for j in range(len(st.head_lag)):  # every row advanced by at most k+1 positions

