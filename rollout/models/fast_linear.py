@@ -84,13 +84,15 @@ class _VLLMProduct:
     def __init__(self, weight: torch.Tensor):
         self.n, self.k = weight.shape
         self._release = torch.ops._C.release_dnnl_matmul_handler   # still callable at interpreter exit
-        self.handle = torch.tensor(torch.ops._C.create_onednn_mm_handler(weight.t(), self.PRIMITIVE_CACHE),
-                                   dtype=torch.int64)
+        with vllm_kernels.CALLS:       # one process-wide scratchpad, unlocked caches
+            self.handle = torch.tensor(torch.ops._C.create_onednn_mm_handler(weight.t(), self.PRIMITIVE_CACHE),
+                                       dtype=torch.int64)
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         # x [..., K] contiguous -> [..., N]
         out = torch.empty(*x.shape[:-1], self.n, dtype=x.dtype)
-        torch.ops._C.onednn_mm(out.view(-1, self.n), x.view(-1, self.k), bias, self.handle)
+        with vllm_kernels.CALLS:       # one process-wide scratchpad, unlocked caches
+            torch.ops._C.onednn_mm(out.view(-1, self.n), x.view(-1, self.k), bias, self.handle)
         return out
 
     def __del__(self):

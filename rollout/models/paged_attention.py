@@ -95,9 +95,10 @@ class PagedKVCache:
             slots = (positions + self.blocks_per_row * BLOCK * torch.arange(B)[:, None]).flatten()
             seq_lens = (positions[:, -1] + 1).to(torch.int32)
             query_start = torch.arange(0, (B + 1) * T, T, dtype=torch.int32)
-        schedule = torch.ops._C.get_scheduler_metadata(
-            B, num_heads, self.num_kv_heads, self.head_dim, seq_lens, self.dtype, query_start,
-            True, -1, self.isa, False, None, "auto")
+        with vllm_kernels.CALLS:
+            schedule = torch.ops._C.get_scheduler_metadata(
+                B, num_heads, self.num_kv_heads, self.head_dim, seq_lens, self.dtype, query_start,
+                True, -1, self.isa, False, None, "auto")
         plan = (slots, seq_lens, query_start, schedule, table)
         self._plan = (positions, num_heads, plan)
         return plan
@@ -111,14 +112,15 @@ class PagedKVCache:
         slots, seq_lens, query_start, schedule, table = self.plan(positions, H)
         k_blocks = self.k[layer].view(-1, self.num_kv_heads, BLOCK, hd)
         v_blocks = self.v[layer].view(-1, self.num_kv_heads, BLOCK, hd)
-        torch.ops._C.cpu_attn_reshape_and_cache(
-            k.transpose(1, 2).reshape(B * T, -1, hd), v.transpose(1, 2).reshape(B * T, -1, hd),
-            k_blocks, v_blocks, slots, self.isa, 1.0, 1.0, "auto")
+        new_k, new_v = k.transpose(1, 2).reshape(B * T, -1, hd), v.transpose(1, 2).reshape(B * T, -1, hd)
         query = q.transpose(1, 2).reshape(B * T, H, hd)
         out = torch.empty(B * T, H, hd, dtype=q.dtype, device=q.device)
-        torch.ops._C.cpu_attention_with_kv_cache(
-            query, k_blocks, v_blocks, out, query_start, seq_lens, hd ** -0.5, True, None, -1,
-            table, 0.0, schedule, None, None, 1.0, 1.0, "auto")
+        with vllm_kernels.CALLS:
+            torch.ops._C.cpu_attn_reshape_and_cache(new_k, new_v, k_blocks, v_blocks, slots, self.isa, 1.0, 1.0,
+                                                    "auto")
+            torch.ops._C.cpu_attention_with_kv_cache(
+                query, k_blocks, v_blocks, out, query_start, seq_lens, hd ** -0.5, True, None, -1,
+                table, 0.0, schedule, None, None, 1.0, 1.0, "auto")
         return out.view(B, T, H, hd)
 
     def tensors(self) -> list[torch.Tensor]:

