@@ -221,3 +221,24 @@ def test_the_raw_log_normalizer_is_logsumexp_of_the_raw_logits(temperature, top_
     got = raw_log_normalizer(logits, temperature, top_k, top_p, p_max)
     assert torch.allclose(got, logits.logsumexp(-1), rtol=0, atol=1e-5)
     assert not torch.allclose(got, logits.amax(-1), rtol=0, atol=1e-2)      # not the max alone
+
+
+def test_keyed_draws_on_cpu_are_the_torch_hash_bit_for_bit():
+    """The CPU path hashes in numpy; its uniforms must be the integers and floats of the torch form
+    (written out here), for 64-bit seeds, large positions and several streams."""
+    from rollout.verify import _MASK32, _mix32
+
+    def torch_form(seed, rows, start, stream, width):
+        base = _mix32(_mix32(_mix32((seed >> 32) & _MASK32) ^ (seed & _MASK32)) ^ stream)
+        h = _mix32((rows & _MASK32) ^ base)[:, None]
+        h = _mix32(h ^ ((start[:, None] + torch.arange(width)) & _MASK32))
+        low = _mix32(h ^ 0x5BD1E995)
+        return ((h >> 6).double() * 2.0 ** 26 + (low >> 6).double() + 0.5) * 2.0 ** -52
+
+    rows, start = torch.tensor([0, 5, 2**40 + 3]), torch.tensor([0, 117, 2**33 + 9])
+    for seed in (0, 11, 2**62 + 12345):
+        for stream in (0, 1, 2):
+            got = KeyedDraws(seed, rows, start).uniform(stream, 5)
+            assert got.dtype == torch.float64 and got.shape == (3, 5)
+            assert torch.equal(got, torch_form(seed, rows, start, stream, 5))
+            assert bool(((got > 0) & (got < 1)).all())
