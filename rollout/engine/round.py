@@ -139,8 +139,8 @@ def run_round(ctx: RoundContext, st: DecodeState, view: RowView, chooser: DraftC
         tokens = torch.cat([pending, drafts], dim=1)                                       # [B, k+1]
         live = np.flatnonzero(view.active)                                                 # [S] host
         packs = isinstance(st.target, PagedKVCache) and not ctx.forwards.compiled
-        padded_rows = not (packs and 0 < live.size and (k > 0 or live.size < B))   # row b's position j at b*(k+1)+j
-        if not padded_rows:
+        packed = packs and 0 < live.size and (k > 0 or live.size < B)   # else row b's position j at b*(k+1)+j
+        if packed:
             hidden, index, verified = _verify_packed(ctx, st, tokens, num_drafts, live)   # [N, d], [B, k+1]
         else:
             width = bucket(k + 1, ctx.verify_widths)
@@ -159,7 +159,7 @@ def run_round(ctx: RoundContext, st: DecodeState, view: RowView, chooser: DraftC
     with ctx.times.phase("accept", dev):
         if k == 0:   # a plain step: nothing to verify, the token is a draw from p
             num_accepted = torch.zeros(B, dtype=torch.long, device=dev)
-            output = sample(target_probs if padded_rows else target_probs[index[:, 0]], keys)[:, None]
+            output = sample(target_probs[index[:, 0]] if packed else target_probs, keys)[:, None]
         else:
             heads_q = None if (q is None or sp.draft_mode == "greedy") else q[:, :k]
             output, num_accepted = _accept_unfinished(ctx, st, live, drafts, heads_q, q_vocab, target_probs,
