@@ -97,6 +97,7 @@ def process_logits_with_entropy(logits: torch.Tensor, temperature: float, top_k:
 TARGET, DRAFT, ACCEPT = 0, 1, 2
 _MASK32 = 0xFFFFFFFF
 BLOCK = 256   # inverse_cdf's first level: sums of BLOCK consecutive probabilities
+ONE_LEVEL_MAX = 8192   # inverse_cdf: rows up to this wide take one float64 cumulative sum
 
 
 def _mix32(x):
@@ -155,15 +156,28 @@ def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """The token whose cumulative mass interval holds u * total: probs [..., V] (any scale), u [...] in
     (0, 1) -> [...] int64. A token without mass is never chosen unless the whole row has none.
 
-    Two levels: sums of BLOCK tokens (float32, each within ~1e-7 of its block's mass) accumulated in
-    float64 pick the block, a float64 cumulative sum inside that block the token. A float32 cumulative
-    sum over V would be off by up to V ulps of the total (~3e-3 at 49,152) and is slower: at
-    40 x 49,152 on one (loaded) core this function took ~1 ms, a float32 cumulative sum alone ~6 ms
-    and an exponential race (a uniform, a log and a division per candidate) ~20 ms. The result is a
-    deterministic function of each row's probabilities and its one uniform."""
+    Rows of up to ONE_LEVEL_MAX tokens (a drafter's vocabulary) take one float64 cumulative sum. Wider
+    ones take two levels: sums of BLOCK tokens (float32, each within ~1e-7 of its block's mass)
+    accumulated in float64 pick the block, a float64 cumulative sum inside that block the token. A
+    float32 cumulative sum over V would be off by up to V ulps of the total (~3e-3 at 49,152) and is
+    slower: at 40 x 49,152 on one (loaded) core this function took ~1 ms, a float32 cumulative sum
+    alone ~6 ms and an exponential race (a uniform, a log and a division per candidate) ~20 ms. The
+    result is a deterministic function of each row's probabilities and its one uniform."""
+    return inverse_cdf_with_total(probs, u)[0]
+
+
+def inverse_cdf_with_total(probs: torch.Tensor, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """inverse_cdf, and each row's total mass as it summed it: -> ([...] int64, [...] float64)."""
     shape, V = probs.shape[:-1], probs.shape[-1]
-    p = probs.reshape(-1, V).float()
-    n, nb = p.shape[0], -(-V // BLOCK)
+    p = probs.reshape(-1, V)
+    n = p.shape[0]
+    if V <= ONE_LEVEL_MAX:
+        cum = p.to(torch.float64).cumsum(-1)                                                  # [n, V]
+        j = torch.searchsorted(cum, (u.reshape(n) * cum[:, -1])[:, None], right=True).squeeze(1)
+        last = (cum < cum[:, -1:]).sum(-1)        # the last token with mass (rounding may overshoot it)
+        return torch.minimum(j, last).view(shape), cum[:, -1].view(shape)
+    p = p.float()
+    nb = -(-V // BLOCK)
     if nb * BLOCK != V:
         p = torch.nn.functional.pad(p, (0, nb * BLOCK - V))
     blocks = p.view(n, nb, BLOCK)
@@ -174,7 +188,7 @@ def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     inner = blocks[torch.arange(n, device=p.device), b].to(torch.float64).cumsum(-1)        # [n, BLOCK]
     j = torch.searchsorted(inner, (target - below)[:, None], right=True).squeeze(1)
     last = (inner < inner[:, -1:]).sum(-1)       # the block's last token with mass (rounding may overshoot it)
-    return (b * BLOCK + torch.minimum(j, last)).clamp_max(V - 1).view(shape)
+    return (b * BLOCK + torch.minimum(j, last)).clamp_max(V - 1).view(shape), cum[:, -1].view(shape)
 
 
 def sample(probs: torch.Tensor, generator: Randomness = None, stream: int = TARGET) -> torch.Tensor:
@@ -242,27 +256,18 @@ def rejection_sample(
     num_accepted = accepted.long().cumprod(dim=1).sum(dim=1)                              # [B]
 
     if with_q:
-        # a q row's last token comes from one distribution: the recovered norm(max(0, p - q)) at its first
-        # rejected draft, or the bonus p after its last draft. Only that position is built ([B, V], not the
-        # [B, k+1, V] of every position), in place on a copy of p, touching q's support only, and not
-        # normalised: inverse_cdf is scale-invariant.
-        dist = target_probs[index[rows, num_accepted]]                                    # [B, V] p, a copy
-        cols = slice(None) if draft_vocab is None else draft_vocab                        # q's support
-        p_cols = dist[:, cols].clone()                                                    # [B, S]
-        at = num_accepted.clamp_max(max(k - 1, 0))    # q of a row that passed is not used (its p is the bonus)
-        token_at = draft_tokens[rows, at] if k else torch.zeros_like(num_accepted)       # [B]
-        p_token = dist[rows, token_at]                                                    # [B]
-        with_dist = (at < k_q) if k_q else torch.zeros_like(num_accepted, dtype=torch.bool)   # q there: a distribution
-        if k_q:
-            q_at = draft_probs[rows, at.clamp_max(k_q - 1)]                              # [B, S]
-            dist[:, cols] = torch.where(with_dist[:, None], (p_cols - q_at).clamp_min(0), p_cols)
-        if k:           # a position past q's: a point mass at its draft, max(0, p - one-hot) is 0 there
-            dist[rows, token_at] = torch.where(with_dist, dist[rows, token_at], 0.0)
-        use_p = (num_accepted == limit) | (dist.sum(-1) <= 0)   # the bonus; or p == q, which never rejects
-        if use_p.any():
-            dist[:, cols] = torch.where(use_p[:, None], p_cols, dist[:, cols])
-            dist[rows, token_at] = torch.where(use_p, p_token, dist[rows, token_at])
-        last_token = inverse_cdf(dist, u_token[rows, num_accepted])
+        # a q row's last token comes from one distribution: the bonus p after its last draft, or the
+        # recovered norm(max(0, p - q)) at its first rejected draft. Only that position is built ([B, V],
+        # not the [B, k+1, V] of every position), in place on a copy of p, touching q's support and the
+        # rejected tokens only, and not normalised: inverse_cdf is scale-invariant.
+        dist = target_probs.index_select(0, index[rows, num_accepted])                    # [B, V] p, a copy
+        rejected = num_accepted < limit if point_mass is None else (num_accepted < limit) & ~point_mass
+        _subtract_q(dist, rejected, draft_tokens, draft_probs, draft_vocab, num_accepted)
+        last_token, mass = inverse_cdf_with_total(dist, u_token[rows, num_accepted])
+        empty = mass <= 0       # p == q never rejects; should rounding leave no mass, p itself
+        if empty.any():
+            last_token = torch.where(empty, inverse_cdf(target_probs[index[rows, num_accepted]],
+                                                        u_token[rows, num_accepted]), last_token)
         if point_mass is not None:
             last_token = torch.where(point_mass, drawn[rows, num_accepted], last_token)
     else:
@@ -275,13 +280,51 @@ def rejection_sample(
     return output, num_accepted
 
 
+def _subtract_q(dist: torch.Tensor, rejected: torch.Tensor, draft_tokens: torch.Tensor,
+                draft_probs: torch.Tensor | None, draft_vocab: torch.Tensor | None, num_accepted: torch.Tensor) -> None:
+    """In place on the rows `rejected` [B] bool of dist [B, V] (p at each row's first rejected draft):
+    max(0, p - q) there; other rows keep p. A draft at a position past q's k' (draft_probs [B, k', S]) is
+    a point mass: max(0, p - one-hot) is p less its token."""
+    B, k = draft_tokens.shape
+    if k == 0:
+        return
+    rows = torch.arange(B, device=dist.device)
+    at = num_accepted.clamp_max(k - 1)                                                    # [B]
+    token_at = draft_tokens[rows, at]                                                     # [B]
+    k_q = 0 if draft_probs is None else draft_probs.shape[1]
+    with_dist = rejected & (at < k_q)                                                     # [B] q there
+    if k_q:
+        q_at = torch.where(with_dist[:, None], draft_probs[rows, at.clamp_max(k_q - 1)], 0.0)   # [B, S]; 0: p kept
+        if draft_vocab is None:
+            dist.sub_(q_at).clamp_min_(0)
+        else:   # index_select / index_copy_ along the columns: 2.5x faster than dist[:, ids] at 8 x 4,096 ids
+            dist.index_copy_(1, draft_vocab, (dist.index_select(1, draft_vocab) - q_at).clamp_min_(0))
+    point = rejected & ~with_dist
+    dist[rows, token_at] = torch.where(point, 0.0, dist[rows, token_at])
+
+
 def _q_of(draft_probs: torch.Tensor, tokens: torch.Tensor, draft_vocab: torch.Tensor | None, V: int) -> torch.Tensor:
     """q of each drafted token: draft_probs [B, k', S] (S = V, or over draft_vocab [S]), tokens [B, k'] ->
     [B, k'] (0 for a token outside the draft vocabulary)."""
     if draft_vocab is None:
         return draft_probs.gather(-1, tokens[..., None]).squeeze(-1)
-    slot = torch.full((V,), -1, dtype=torch.long, device=tokens.device)
-    slot[draft_vocab] = torch.arange(draft_vocab.numel(), device=tokens.device)
-    at = slot[tokens]                                                                     # [B, k'] (-1: outside)
+    at = _slots(draft_vocab, V)[tokens]                                                   # [B, k'] (-1: outside)
     q = draft_probs.gather(-1, at.clamp_min(0)[..., None]).squeeze(-1)
     return torch.where(at >= 0, q, 0.0)
+
+
+_SLOTS: list[tuple[torch.Tensor, int, torch.Tensor]] = []   # (a vocabulary's ids, V, its slots): the last one
+
+
+def _slots(draft_vocab: torch.Tensor, V: int) -> torch.Tensor:
+    """[V] int64: each token's index in draft_vocab [S], -1 outside it. Built when the vocabulary changes
+    (compared by value: a new buffer may reuse a freed one's memory), not every round: filling V
+    entries took ~0.2 ms a round at V = 49,152."""
+    if _SLOTS:
+        ids, width, slots = _SLOTS[0]
+        if width == V and ids.device == draft_vocab.device and torch.equal(ids, draft_vocab):
+            return slots
+    slots = torch.full((V,), -1, dtype=torch.long, device=draft_vocab.device)
+    slots[draft_vocab] = torch.arange(draft_vocab.numel(), device=draft_vocab.device)
+    _SLOTS[:] = [(draft_vocab.clone(), V, slots)]
+    return slots

@@ -159,7 +159,7 @@ def run_round(ctx: RoundContext, st: DecodeState, view: RowView, chooser: DraftC
     with ctx.times.phase("accept", dev):
         if k == 0:   # a plain step: nothing to verify, the token is a draw from p
             num_accepted = torch.zeros(B, dtype=torch.long, device=dev)
-            output = sample(target_probs[index[:, 0]] if packed else target_probs, keys)[:, None]
+            output = sample(target_probs.index_select(0, index[:, 0]) if packed else target_probs, keys)[:, None]
         else:
             heads_q = None if (q is None or sp.draft_mode == "greedy") else q[:, :k]
             output, num_accepted = _accept_unfinished(ctx, st, live, drafts, heads_q, q_vocab, target_probs,
@@ -356,7 +356,7 @@ def draft_token(ctx: RoundContext, head_hidden: torch.Tensor):
     # same distribution as over V with 0 outside S (top-k / top-p keep the same ids), never built over V
     sp = ctx.sampling
     logits, vocab = ctx.heads.draft_logits_in_vocab(ctx.policy, head_hidden)          # [B, |S|]
-    nonfinite = (logits.isnan() | (logits == float("inf"))).any(-1)
+    nonfinite = ~logits.amax(-1).isfinite()      # NaN or +inf anywhere, or no finite logit: one pass
     q = process_logits(logits, sp.temperature, sp.top_k, sp.top_p)
     token = q.argmax(-1) if sp.draft_mode == "greedy" else sample(q, ctx.draft_keys, DRAFT)
     return (token if vocab is None else vocab[token]), q, vocab, nonfinite
