@@ -196,6 +196,12 @@ class DraftChooser:
         tau = self.threshold(bucket, active.size, rows)
         hist = [self._history_option(view, int(b), tau) for b in active]
         self._history_options = (view, tau, dict(zip(active.tolist(), hist)))
+        # per active row, its history option's expected tokens, and its drafts wanted / their expected
+        # tokens per chain position (zeros past its length): [R], [R, k]
+        e_hist = np.array([option[2] for option in hist])
+        hist_wanted, hist_value = np.zeros((len(hist), self.k_max)), np.zeros((len(hist), self.k_max))
+        for i, (n_hist, _, _, hist_reach) in enumerate(hist):
+            hist_wanted[i, :n_hist], hist_value[i, :n_hist] = 1.0, hist_reach
         reach_all = np.cumprod(self._heads_levels(self.k_max))
         best_h, best_rate = 0, active.size / self.costs.plain_seconds(bucket, rows)    # a plain round
         for h in range(self.k_max + 1):
@@ -206,14 +212,11 @@ class DraftChooser:
             if realized is not None:    # what such rounds' rows wanted, rows below the threshold included
                 head_value, head_wanted = realized
             e_head = float(head_value.sum())
-            wanted, value = np.zeros(self.k_max), np.zeros(self.k_max)
-            for n_hist, _, e_hist, hist_reach in hist:
-                if e_head > e_hist:
-                    wanted[:h] += head_wanted
-                    value[:h] += head_value
-                else:
-                    wanted[:n_hist] += 1.0
-                    value[:n_hist] += hist_reach
+            by_history = ~(e_head > e_hist)                                # [R] rows keeping their history option
+            heads_rows = float(len(hist) - by_history.sum())
+            wanted, value = hist_wanted[by_history].sum(0), hist_value[by_history].sum(0)
+            wanted[:h] += heads_rows * head_wanted
+            value[:h] += heads_rows * head_value
             _, rate = self._best_budget(bucket, rows, active.size, h, wanted, value)
             if rate > best_rate * (1 + 1e-9):
                 best_h, best_rate = h, rate
