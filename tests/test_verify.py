@@ -3,7 +3,8 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from rollout.verify import (DRAFT, PLACEHOLDER, KeyedDraws, process_logits, process_logits_with_entropy,
+from rollout.verify import (DRAFT, ONE_LEVEL_MAX, PLACEHOLDER, KeyedDraws, inverse_cdf, process_logits,
+                            process_logits_with_entropy,
                             rejection_sample, sample)
 from tests.helpers import entropy
 from tests.lossless import lossy_rejection_sample
@@ -158,6 +159,53 @@ def test_inverse_cdf_sampler_matches_the_distribution():
     assert out.shape == (trials // 10, 2)
     assert abs((out[:, 1] == p.roll(1).argmax()).double().mean() - p.max().double()) < 0.02
 
+
+
+def test_inverse_cdf_draws_the_same_tokens_through_one_and_two_levels():
+    """Rows up to ONE_LEVEL_MAX wide take one cumulative sum, wider ones two levels: the same rows padded
+    with zero-mass tokens past ONE_LEVEL_MAX draw the same tokens for the same uniforms (they can differ
+    only where u * total falls within rounding of a boundary), and zero-mass tokens are never drawn."""
+    gen = torch.Generator().manual_seed(7)
+    rows, V = 4, 3000
+    p = (torch.randn(rows, V, generator=gen) * 3).softmax(-1)
+    p[:, ::7] = 0.0                                                               # tokens without mass
+    u = torch.rand(5000, rows, generator=gen, dtype=torch.float64).clamp_min(1e-12)
+    narrow = inverse_cdf(p.expand(5000, rows, V), u)
+    wide_p = torch.cat([p, torch.zeros(rows, ONE_LEVEL_MAX + 1 - V)], -1)         # the same mass, two levels
+    wide = inverse_cdf(wide_p.expand(5000, rows, wide_p.shape[-1]), u)
+    assert (narrow == wide).double().mean() > 0.999
+    assert (narrow % 7 != 0).all() and (wide % 7 != 0).all() and (wide < V).all()
+
+
+def test_q_is_looked_up_in_the_draft_vocabulary_passed_not_an_earlier_one():
+    """q's slot map is kept between calls: a different vocabulary of the same size (as a new drafter's
+    buffer, which may reuse a freed one's memory) must give its own q values."""
+    gen = torch.Generator().manual_seed(8)
+    B, V, S = 16, 30, 6
+    first, second = torch.arange(S), torch.arange(S) + 10                         # same size, other ids
+    p = torch.full((B, 2, V), 1.0 / V)
+    q = torch.full((B, 1, S), 1.0 / S)
+    for vocab in (first, second, first):
+        drafts = vocab[torch.randint(0, S, (B, 1), generator=gen)]
+        _, n = rejection_sample(drafts, q, p, torch.Generator().manual_seed(1), draft_vocab=vocab)
+        # p / q = 6 / 30 = 0.2 for a drafted token in vocab; a stale map would read q = 0 (always accept)
+        _, n_dense = rejection_sample(drafts, torch.zeros(B, 1, V).index_copy_(2, vocab, q), p,
+                                      torch.Generator().manual_seed(1))
+        assert torch.equal(n, n_dense) and 0 < int(n.sum()) < B
+
+
+def test_a_rejection_that_leaves_no_residual_mass_draws_its_token_from_p():
+    """max(0, p - q) can have no mass only when q is not a distribution over p's support (here q > p
+    everywhere p has mass); the row's token then comes from p, never from an empty row (token 0)."""
+    gen = torch.Generator().manual_seed(9)
+    B, V = 4000, 6
+    p = torch.tensor([0.0, 0.0, 0.5, 0.5, 0.0, 0.0])
+    q = torch.tensor([0.0, 0.0, 0.9, 0.9, 0.0, 0.0])                              # unnormalised, above p
+    drafts = torch.full((B, 1), 2)
+    out, n = rejection_sample(drafts, q.expand(B, 1, V), p.expand(B, 2, V), gen)
+    rejected = n == 0
+    assert 0.3 < rejected.double().mean() < 0.6                                   # accepted w.p. p/q = 5/9
+    assert set(out[rejected, 0].tolist()) == {2, 3}
 
 def test_rows_with_fewer_drafts_sample_their_last_token_from_p():
     """num_drafts[b] = 0 (the engine's fallback for a non-finite q): one token from p[:, 0], even
