@@ -36,8 +36,10 @@ class MTPDepth(nn.Module):
         self.norm = RMSNorm(d, cfg.rms_norm_eps)
 
     def input(self, prev_hidden: torch.Tensor, token_embeds: torch.Tensor) -> torch.Tensor:
-        # prev_hidden, token_embeds [B, T, d] -> the first block's input [B, T, d]
-        return self.eh_proj(torch.cat([self.enorm(token_embeds), self.hnorm(prev_hidden)], dim=-1))
+        # prev_hidden, token_embeds [B, T, d] -> the first block's input [B, T, d], in the depth's dtype (a
+        # co-trainer's float32 heads read a bf16 policy's states: cast here, not mixed inside the norms)
+        dtype = self.eh_proj.weight.dtype
+        return self.eh_proj(torch.cat([self.enorm(token_embeds.to(dtype)), self.hnorm(prev_hidden.to(dtype))], dim=-1))
 
     def forward(self, prev_hidden: torch.Tensor, token_embeds: torch.Tensor, positions: torch.Tensor,
                 rope: tuple[torch.Tensor, torch.Tensor], cache: Cache | None) -> torch.Tensor:

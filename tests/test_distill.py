@@ -227,3 +227,23 @@ def test_feature_regression_adds_smooth_l1_to_the_next_policy_state(policy):
     assert float(torch.stack(reg).mean()) > 0
     with pytest.raises(ValueError, match="feature_weight"):
         distill_loss(heads, policy, batch, "tv", vm, feature_weight=-1.0)
+
+
+
+def test_float32_heads_teacher_force_on_a_bfloat16_policy_without_mixed_dtypes(tiny_policy):
+    """A co-trainer keeps float32 heads over a bf16 policy copy: the depth reads bf16 states and embeddings
+    in its own dtype (no mixed-dtype fallback inside the norms), as if they had been given in float32."""
+    import warnings
+    policy = tiny_policy.to(torch.bfloat16)
+    heads = init_heads(policy, num_depths=1).float()
+    tokens = torch.randint(0, 64, (2, 10), generator=torch.Generator().manual_seed(0))
+    positions = torch.arange(9).expand(2, 9)
+    with torch.no_grad():
+        hidden = policy.model.norm(policy.model.embed_tokens(tokens))                   # [2, 10, d] bf16
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            (out,) = heads.teacher_forced(policy, hidden, tokens)                         # [2, 9, d]
+        ref = heads.depths[0](hidden[:, :9].float(), policy.model.embed_tokens(tokens[:, 1:]).float(), positions,
+                              policy.model.rotary(positions), None)
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out, ref)
