@@ -170,9 +170,9 @@ def run_round(ctx: RoundContext, st: DecodeState, view: RowView, chooser: DraftC
         logp = logits[index, emitted] - log_z[index]                                       # [B, k+1]
         commit(ctx, st, output, num_accepted, logp, ent[index], p_max[index])
     ctx.times.rounds += 1
-    # the most any row advanced: its tokens emitted, often fewer than the k+1 verified (a host read, of
-    # the round the engine's stop check reads next). The next head-cache update recomputes that many
-    # positions per row: at batch 8 a window of 4 is 32 tokens through the head, past AMX's 16-row tile
+    # the most tokens any row emitted, often fewer than the k+1 verified (a host read; the engine reads the
+    # round's counts right after anyway). The next head-cache update recomputes that many positions per
+    # row: at batch 8 a window of 4 is 32 tokens through the head, past AMX's 16-row tile
     advance = int((st.committed - c).max())
     for j in range(len(st.head_lag)):
         st.head_lag[j] += advance
