@@ -260,14 +260,14 @@ def rejection_sample(
         # recovered norm(max(0, p - q)) at its first rejected draft. Only that position is built ([B, V],
         # not the [B, k+1, V] of every position), in place on a copy of p, touching q's support and the
         # rejected tokens only, and not normalised: inverse_cdf is scale-invariant.
-        dist = target_probs.index_select(0, index[rows, num_accepted])                    # [B, V] p, a copy
+        last_entry, u_last = index[rows, num_accepted], u_token[rows, num_accepted]        # [B], [B]
+        dist = target_probs.index_select(0, last_entry)                                   # [B, V] p, a copy
         rejected = num_accepted < limit if point_mass is None else (num_accepted < limit) & ~point_mass
         _subtract_q(dist, rejected, draft_tokens, draft_probs, draft_vocab, num_accepted)
-        last_token, mass = inverse_cdf_with_total(dist, u_token[rows, num_accepted])
+        last_token, mass = inverse_cdf_with_total(dist, u_last)
         empty = mass <= 0       # p == q never rejects; should rounding leave no mass, p itself
         if empty.any():
-            last_token = torch.where(empty, inverse_cdf(target_probs[index[rows, num_accepted]],
-                                                        u_token[rows, num_accepted]), last_token)
+            last_token = torch.where(empty, inverse_cdf(target_probs.index_select(0, last_entry), u_last), last_token)
         if point_mass is not None:
             last_token = torch.where(point_mass, drawn[rows, num_accepted], last_token)
     else:
