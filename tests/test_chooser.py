@@ -69,6 +69,35 @@ def test_predictor_keeps_sources_and_positions_apart_and_follows_a_moving_proces
     assert pred.predict(HEADS, f, 1.0)[0] < 0.1
 
 
+def test_a_rounds_rows_are_predicted_and_observed_at_once_as_row_by_row():
+    """predict_rows gives each row what predict gives it alone; observe_rows of rows in different cells
+    counts what observing them one by one counts, and rows sharing a cell in one round each add one
+    (none of a round's events ages another)."""
+    rng = np.random.default_rng(3)
+    together, one_by_one = AcceptancePredictor(3, halflife=16), AcceptancePredictor(3, halflife=16)
+    for _ in range(50):
+        source = rng.integers(0, 2, 4)
+        features = np.sort(rng.uniform(0, 1, (4, 3)))[:, ::-1]
+        entropy, match = rng.uniform(0, 4, 4), rng.integers(0, 12, 4)
+        verified = rng.integers(1, 4, 4)
+        accepted = np.minimum(rng.integers(0, 4, 4), verified)
+        rows = [0, 1] if source[0] != source[1] else [0]        # distinct sources: no shared cell
+        together.observe_rows(source[rows], features[rows], entropy[rows], match[rows], verified[rows], accepted[rows])
+        for r in rows:
+            one_by_one.observe(int(source[r]), features[r], float(entropy[r]), int(match[r]), int(verified[r]),
+                               int(accepted[r]))
+    probe = rng.uniform(0, 1, (5, 3))
+    h, m = rng.uniform(0, 4, 5), rng.integers(0, 12, 5)
+    for source in (HEADS, HISTORY):
+        rows = together.predict_rows(source, probe, h, m)
+        assert np.allclose(rows, one_by_one.predict_rows(source, probe, h, m))
+        assert np.allclose(rows, [together.predict(source, probe[i], h[i], m[i]) for i in range(5)])
+    shared = AcceptancePredictor(1, prior_weight=1.0, halflife=1e9)
+    shared.observe_rows(np.array([HEADS, HEADS]), np.full((2, 1), 0.5), np.ones(2), np.zeros(2, dtype=int),
+                        np.ones(2, dtype=int), np.array([1, 0]))
+    assert shared.predict_marginal(HEADS, 1) == pytest.approx((1 + 0.4) / (2 + 1))   # one of two accepted, prior 0.4
+
+
 def test_cost_model_recovers_its_coefficients_and_falls_back_to_the_prior():
     costs = RoundCostModel(halflife=1e9)
     rng = np.random.default_rng(1)

@@ -57,7 +57,7 @@ PROBE_BACKOFF_MAX times `probe_every`); a round that chooses it, or new head wei
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import math
 
@@ -109,6 +109,38 @@ class RoundPlan:
         return int(self.num_drafts.max(initial=0))
 
 
+@dataclass(frozen=True)
+class _Options:
+    """One source's drafts for each active row of a round (R rows, k = k_max chain positions)."""
+
+    acceptance: np.ndarray     # [R, k] predicted conditional acceptance of each draft (0 past the row's drafts)
+    length: np.ndarray         # [R] drafts the row has
+    count: np.ndarray          # [R] its leading drafts each expected to add at least the round's threshold
+    reach: np.ndarray          # [R, k] the tokens each of those is expected to add (0 past count)
+
+    @classmethod
+    def of(cls, acceptance: np.ndarray, length: np.ndarray, tau: float) -> _Options:
+        positions = np.arange(acceptance.shape[1])
+        reach = np.cumprod(acceptance, 1)                   # non-increasing: the drafts above tau lead
+        count = ((reach >= tau) & (positions < length[:, None])).sum(1)
+        return cls(acceptance, length, count, np.where(positions < count[:, None], reach, 0.0))
+
+    @classmethod
+    def none(cls, rows: int, k: int) -> _Options:
+        return cls(np.zeros((rows, k)), np.zeros(rows, dtype=np.int64), np.zeros(rows, dtype=np.int64),
+                   np.zeros((rows, k)))
+
+    @property
+    def wanted(self) -> np.ndarray:
+        """[R, k] 1 where a row wants the draft at that position."""
+        return (np.arange(self.reach.shape[1]) < self.count[:, None]).astype(np.float64)
+
+    @property
+    def expected(self) -> np.ndarray:
+        """[R] the tokens a row's wanted drafts are expected to add."""
+        return self.reach.sum(1)
+
+
 class DraftChooser:
     def __init__(self, k_max: int, sources: tuple[str, ...], *, predictor: AcceptancePredictor | None = None,
                  costs: RoundCostModel | None = None, probe_every: int = 16):
@@ -120,7 +152,7 @@ class DraftChooser:
         self.rounds_without_heads = 0
         self.rounds_without_history = 0
         self.probe_wait = {HEADS: probe_every, HISTORY: probe_every}   # rounds without a source before its probe
-        self._history_options: tuple | None = None   # (view, tau, per-row options) head_steps() computed
+        self._history_cache: tuple | None = None     # (view, tau, _Options) head_steps() computed
         self._head_rounds: dict[tuple[int, int], tuple[float, float, float]] = {}   # (bucket, h) -> decayed
                                                    # (rounds, head tokens expected per row, head drafts per row)
         self.margin: dict[int, float] = {}         # bucket -> factor drafting must promise over plain
@@ -136,20 +168,29 @@ class DraftChooser:
         _, b, _ = self.costs.coefficients(bucket)
         return self.margin.get(bucket, 1.0) * b * active / self.costs.plain_seconds(bucket, rows)
 
-    def _history_option(self, view: RowView, b: int, tau: float) -> tuple[int, np.ndarray, float, np.ndarray]:
-        """(drafts kept, their predicted acceptances, expected tokens, expected tokens per position) of
-        row b's history draft; what head_steps() computed for this round is reused by assign() (host
-        time is round time). A history draft is fixed before the round, so all of it is known before."""
-        cached = self._history_options
-        if cached is not None and cached[0] is view and cached[1] == tau and b in cached[2]:
-            return cached[2][b]
-        if not self.use_history or not view.history_tokens or not view.history_tokens[b]:
-            return 0, np.zeros(0), 0.0, np.zeros(0)
-        cond = view.history_cond[b][:self.k_max]
-        acc = self.predictor.predict(HISTORY, cond, float(view.entropy[b]), int(view.history_match[b]))
-        reach = np.cumprod(acc)
-        n = int(np.argmin(reach >= tau)) if (reach < tau).any() else len(reach)
-        return n, acc[:n], float(reach[:n].sum()), reach[:n]
+    def _history_options(self, view: RowView, active: np.ndarray, tau: float) -> _Options:
+        """Each active row's history draft: what of it is worth verifying under threshold `tau`.
+        head_steps() computes them for the round and assign() reuses them (host time is round time).
+        A history draft is fixed before the round, so all of it is known before."""
+        cached = self._history_cache
+        if cached is not None and cached[0] is view and cached[1] == tau:
+            return cached[2]
+        A, k = active.size, self.k_max
+        lengths = np.zeros(A, dtype=np.int64)
+        cond = np.zeros((A, k))
+        if self.use_history and view.history_tokens:
+            for i, b in enumerate(active.tolist()):
+                if view.history_tokens[b]:
+                    c = view.history_cond[b][:k]
+                    lengths[i], cond[i, :c.size] = c.size, c
+        acc = np.zeros((A, k))
+        has = lengths > 0
+        if has.any():
+            acc[has] = self.predictor.predict_rows(HISTORY, cond[has], view.entropy[active[has]],
+                                                   view.history_match[active[has]])
+        options = _Options.of(np.where(np.arange(k) < lengths[:, None], acc, 0.0), lengths, tau)
+        self._history_cache = (view, tau, options)
+        return options
 
     def _heads_levels(self, h: int) -> np.ndarray:
         """The heads' (source, position) levels for positions 1..h: the same for every row of a round."""
@@ -165,22 +206,29 @@ class DraftChooser:
         Drafting must beat plain by the bucket's margin. The verification's price is the cost
         model's curve, so a budget stops short of a step in it (AMX's 16-row tiles) where the drafts
         past the step would not pay for it."""
-        c = self.costs.coefficients(bucket)[2] * head_steps
-        plain = active / (self.costs.plain_seconds(bucket, rows) + c)
-        total = float(wanted.sum())
-        if total <= 0:
-            return 0, plain
-        budgets = np.arange(int(math.ceil(total)) + 1, dtype=np.float64)    # [D]
-        kept = np.minimum(budgets, total)
-        before = np.concatenate([[0.0], np.cumsum(wanted)[:-1]])             # [k] drafts placed ahead of position j
-        share = np.clip((kept[:, None] - before) / np.maximum(wanted, 1e-12), 0.0, 1.0)   # [D, k]
-        tokens = active + share @ value
+        best, rate = self._best_budgets(bucket, rows, active, np.array([head_steps]), wanted[None], value[None])
+        return int(best[0]), float(rate[0])
+
+    def _best_budgets(self, bucket: int, rows: int, active: int, head_steps: np.ndarray, wanted: np.ndarray,
+                      value: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """_best_budget for H candidate rounds at once: head_steps [H], wanted and value [H, k] -> the
+        best budget [H] and its tokens per second [H]."""
+        c = self.costs.coefficients(bucket)[2] * head_steps                     # [H]
+        plain = active / (self.costs.plain_seconds(bucket, rows) + c)           # [H]
+        total = wanted.sum(1)                                                   # [H]
+        budgets = np.arange(int(math.ceil(max(total.max(), 0.0))) + 1, dtype=np.float64)    # [D]
+        kept = np.minimum(budgets[None], total[:, None])                        # [H, D]
+        before = np.concatenate([np.zeros((total.size, 1)), np.cumsum(wanted, 1)[:, :-1]], 1)   # [H, k] drafts ahead of j
+        share = np.clip((kept[:, :, None] - before[:, None]) / np.maximum(wanted, 1e-12)[:, None], 0.0, 1.0)  # [H, D, k]
+        tokens = active + np.einsum("hdk,hk->hd", share, value)
         curve = self.costs.verify_curve(bucket, rows + budgets.size)
-        seconds = np.interp(rows + kept, np.arange(curve.size), curve) + c
+        seconds = np.interp(rows + kept, np.arange(curve.size), curve) + c[:, None]
         rate = tokens / seconds / self.margin.get(bucket, 1.0)
-        rate[0] = plain
-        best = int(np.argmax(rate > rate.max() * (1 - 1e-9)))   # the smallest budget within rounding of the best
-        return best, float(rate[best])
+        rate[:, 0] = plain
+        rate[total <= 0] = plain[total <= 0, None]
+        # the smallest budget within rounding of the best (budgets past a candidate's total repeat its last)
+        best = np.argmax(rate > rate.max(1, keepdims=True) * (1 - 1e-9), axis=1)
+        return best, rate[np.arange(best.size), best]
 
     # ------------------------------------------------------------------ before drafting
     def head_steps(self, bucket: int, view: RowView) -> int:
@@ -192,32 +240,27 @@ class DraftChooser:
             return 0
         if self.rounds_without_heads >= self.probe_wait[HEADS]:
             return 1
-        rows = view.plain_rows(bucket)
+        rows, k = view.plain_rows(bucket), self.k_max
         tau = self.threshold(bucket, active.size, rows)
-        hist = [self._history_option(view, int(b), tau) for b in active]
-        self._history_options = (view, tau, dict(zip(active.tolist(), hist)))
-        # per active row, its history option's expected tokens, and its drafts wanted / their expected
-        # tokens per chain position (zeros past its length): [R], [R, k]
-        e_hist = np.array([option[2] for option in hist])
-        hist_wanted, hist_value = np.zeros((len(hist), self.k_max)), np.zeros((len(hist), self.k_max))
-        for i, (n_hist, _, _, hist_reach) in enumerate(hist):
-            hist_wanted[i, :n_hist], hist_value[i, :n_hist] = 1.0, hist_reach
-        reach_all = np.cumprod(self._heads_levels(self.k_max))
+        hist = self._history_options(view, active, tau)
+        # per candidate h = 0..k: the heads' drafts wanted per row and their expected tokens per chain
+        # position (zeros past h), at the per-position levels or at what such rounds' rows wanted
+        reach = np.cumprod(self._heads_levels(k))
+        head_wanted, head_value = np.zeros((k + 1, k)), np.zeros((k + 1, k))
+        for h in range(1, k + 1):
+            realized = self._heads_per_row(bucket, h)
+            if realized is not None:    # rows below the threshold included
+                head_value[h, :h], head_wanted[h, :h] = realized
+            else:                       # levels decrease along the chain
+                head_wanted[h, :h] = reach[:h] >= tau
+                head_value[h, :h] = np.where(head_wanted[h, :h] > 0, reach[:h], 0.0)
+        by_history = ~(head_value.sum(1)[:, None] > hist.expected[None])       # [H, R] rows keeping their history option
+        heads_rows = (active.size - by_history.sum(1)).astype(np.float64)      # [H]
+        wanted = by_history @ hist.wanted + heads_rows[:, None] * head_wanted   # [H, k]
+        value = by_history @ hist.reach + heads_rows[:, None] * head_value
+        _, rates = self._best_budgets(bucket, rows, active.size, np.arange(k + 1), wanted, value)
         best_h, best_rate = 0, active.size / self.costs.plain_seconds(bucket, rows)    # a plain round
-        for h in range(self.k_max + 1):
-            reach = reach_all[:h]
-            head_wanted = (reach >= tau).astype(np.float64)                # levels decrease along the chain
-            head_value = np.where(head_wanted > 0, reach, 0.0)
-            realized = self._heads_per_row(bucket, h) if h else None
-            if realized is not None:    # what such rounds' rows wanted, rows below the threshold included
-                head_value, head_wanted = realized
-            e_head = float(head_value.sum())
-            by_history = ~(e_head > e_hist)                                # [R] rows keeping their history option
-            heads_rows = float(len(hist) - by_history.sum())
-            wanted, value = hist_wanted[by_history].sum(0), hist_value[by_history].sum(0)
-            wanted[:h] += heads_rows * head_wanted
-            value[:h] += heads_rows * head_value
-            _, rate = self._best_budget(bucket, rows, active.size, h, wanted, value)
+        for h, rate in enumerate(rates.tolist()):
             if rate > best_rate * (1 + 1e-9):
                 best_h, best_rate = h, rate
         return best_h
@@ -237,38 +280,36 @@ class DraftChooser:
         probe = head_steps > 0 and self.rounds_without_heads >= self.probe_wait[HEADS]
         probe_history = (not probe and self.use_history and self.rounds_without_history >= self.probe_wait[HISTORY]
                          and bool(view.history_tokens) and any(view.history_tokens[int(b)] for b in active))
-        rows = view.plain_rows(bucket)
-        tau = self.threshold(bucket, max(active.size, 1), rows)
-        levels = self._heads_levels(head_steps)
-        options = {}                              # row -> (history option, heads option)
-        for b in active.tolist():
-            n_head, acc_head, e_head, head_reach = 0, np.zeros(0), 0.0, np.zeros(0)
-            if head_steps:
-                acc_head = self.predictor.predict(HEADS, head_feature[b], float(view.entropy[b]))
-                reach = np.cumprod(acc_head)
-                n_head = int(np.argmin(reach >= tau)) if (reach < tau).any() else head_steps
-                before = np.cumprod(np.concatenate([acc_head[:1], levels[1:]]))
-                head_reach = before[:int(np.argmin(before >= tau)) if (before < tau).any() else head_steps]
-                e_head = float(head_reach.sum())
-            options[b] = (self._history_option(view, b, tau), (n_head, acc_head, e_head, head_reach))
-        plan, reach_before = self._plan(B, view, head_steps, head_feature, options)
-        budget, _ = self._best_budget(bucket, rows, active.size, head_steps, *_by_position(reach_before, self.k_max))
+        rows, A, k = view.plain_rows(bucket), active.size, self.k_max
+        tau = self.threshold(bucket, max(A, 1), rows)
+        hist = self._history_options(view, active, tau)
+        heads = before = _Options.none(A, k)
+        if head_steps:
+            acc = np.zeros((A, k))
+            acc[:, :head_steps] = self.predictor.predict_rows(HEADS, head_feature[active], view.entropy[active])
+            drafted = np.full(A, head_steps)
+            heads = _Options.of(acc, drafted, tau)           # wanted position by position, as drafted
+            known = np.zeros((A, k))                         # known before the first draft was drawn
+            known[:, 0], known[:, 1:head_steps] = acc[:, 0], self._heads_levels(head_steps)[1:]
+            before = _Options.of(known, drafted, tau)
+        plan, by_heads, by_history = self._plan(B, view, active, head_steps, head_feature, hist, heads.acceptance,
+                                                heads.count, before.expected)
+        wanted = before.wanted[by_heads].sum(0) + hist.wanted[by_history].sum(0)
+        value = before.reach[by_heads].sum(0) + hist.reach[by_history].sum(0)
+        budget, _ = self._best_budget(bucket, rows, A, head_steps, wanted, value)
         if head_steps:       # what the heads' drafts were wanted for: head_steps() prices the next rounds' on it
-            heads = [reach_before[b] for b in np.flatnonzero(plan.source == HEADS)]
-            self._record_head_round(bucket, head_steps, active.size, heads)
+            self._record_head_round(bucket, head_steps, A, before.wanted[by_heads, :head_steps].sum(0),
+                                    before.reach[by_heads, :head_steps].sum(0))
         _keep_within(plan, budget)
-        if probe or probe_history:   # verify the source anyway (its estimates are otherwise never tested)
-            forced = {}
-            for b, ((n_hist, acc_hist, e_hist, hist_reach), (n_head, acc_head, e_head, head_reach)) in options.items():
-                if probe:
-                    n_head, e_head = max(n_head, 1), max(e_head, float(acc_head[0]))
-                elif view.history_tokens[b]:
-                    n_hist = max(n_hist, 1)
-                    acc_hist = self.predictor.predict(HISTORY, view.history_cond[b][:n_hist], float(view.entropy[b]),
-                                                      int(view.history_match[b]))
-                    n_head = 0
-                forced[b] = ((n_hist, acc_hist, e_hist, hist_reach), (n_head, acc_head, e_head, head_reach))
-            plan, _ = self._plan(B, view, head_steps, head_feature, forced, prefer_heads=probe)
+        if probe:            # verify the source anyway (its estimates are otherwise never tested)
+            first = heads.acceptance[:, 0]
+            plan, _, _ = self._plan(B, view, active, head_steps, head_feature, hist, heads.acceptance,
+                                    np.maximum(heads.count, 1), np.maximum(before.expected, first), prefer_heads=True)
+        elif probe_history:
+            has = hist.length > 0
+            forced = replace(hist, count=np.where(has, np.maximum(hist.count, 1), hist.count))
+            plan, _, _ = self._plan(B, view, active, head_steps, head_feature, forced, heads.acceptance,
+                                    np.where(has, 0, heads.count), before.expected)
         for source, probed in ((HEADS, probe), (HISTORY, probe_history)):
             if probed:
                 self.probe_wait[source] = min(2 * self.probe_wait[source], PROBE_BACKOFF_MAX * self.probe_every)
@@ -279,34 +320,37 @@ class DraftChooser:
         self.rounds_without_history = (0 if (plan.source == HISTORY).any() or not self.use_history
                                        else self.rounds_without_history + 1)
         plan.reason = "probe" if probe else "probe_history" if probe_history else "chosen"
-        self._history_options = None
+        self._history_cache = None
         return plan
 
     @staticmethod
-    def _plan(B: int, view: RowView, head_steps: int, head_feature: np.ndarray | None, options: dict,
-              prefer_heads: bool = False) -> tuple[RoundPlan, list[np.ndarray]]:
-        """Each row's better option (rows without one, or absent from `options`, draft nothing), and
-        per row the tokens its chosen drafts were expected to add at each position, known before
-        its first draft was drawn."""
+    def _plan(B: int, view: RowView, active: np.ndarray, head_steps: int, head_feature: np.ndarray | None,
+              hist: _Options, head_acceptance: np.ndarray, head_count: np.ndarray, head_expected: np.ndarray,
+              prefer_heads: bool = False) -> tuple[RoundPlan, np.ndarray, np.ndarray]:
+        """Each active row's better option: its first head_count [R] head drafts (predicted acceptance
+        head_acceptance [R, k]; worth head_expected [R] tokens as known before the first was drawn) or
+        its history option; rows with neither draft nothing. -> the plan, and which active rows take
+        the heads [R] and history [R]."""
+        by_heads = (head_count > 0) & (head_expected > 0) & ((head_expected >= hist.expected) | prefer_heads)
+        by_history = ~by_heads & (hist.count > 0)
         source, num = np.full(B, NONE), np.zeros(B, dtype=np.int64)
+        source[active[by_heads]], num[active[by_heads]] = HEADS, head_count[by_heads]
+        source[active[by_history]], num[active[by_history]] = HISTORY, hist.count[by_history]
         predicted, features = [np.zeros(0)] * B, [np.zeros(0)] * B
-        reach_before = [np.zeros(0)] * B
-        for b, ((n_hist, acc_hist, e_hist, hist_reach), (n_head, acc_head, e_head, head_reach)) in options.items():
-            if n_head and e_head > 0 and (e_head >= e_hist or prefer_heads):
-                source[b], num[b], predicted[b] = HEADS, n_head, acc_head[:n_head]
-                features[b], reach_before[b] = head_feature[b][:n_head], head_reach
-            elif n_hist:
-                source[b], num[b], predicted[b] = HISTORY, n_hist, acc_hist
-                features[b], reach_before[b] = view.history_cond[b][:n_hist], hist_reach
-        return RoundPlan(head_steps, source, num, predicted, features), reach_before
+        for i in np.flatnonzero(by_heads | by_history).tolist():
+            b, n = int(active[i]), int(num[active[i]])
+            if by_heads[i]:
+                predicted[b], features[b] = head_acceptance[i, :n], head_feature[b][:n]
+            else:
+                predicted[b], features[b] = hist.acceptance[i, :n], view.history_cond[b][:n]
+        return RoundPlan(head_steps, source, num, predicted, features), by_heads, by_history
 
-    def _record_head_round(self, bucket: int, h: int, active: int, heads_reach: list[np.ndarray]) -> None:
-        """A round that ran h head steps: per chain position, the head drafts its rows wanted and the
-        tokens those were expected to add, per active row (rows whose drafts were not worth verifying
+    def _record_head_round(self, bucket: int, h: int, active: int, wanted: np.ndarray, value: np.ndarray) -> None:
+        """A round that ran h head steps: per chain position, the head drafts its rows wanted [h] and the
+        tokens those were expected to add [h], per active row (rows whose drafts were not worth verifying
         count as zero), in the plan the chooser would have made without probing or a budget."""
         if active == 0:
             return
-        wanted, value = _by_position(heads_reach, h)
         weight, e, n = self._head_rounds.get((bucket, h), (0.0, np.zeros(h), np.zeros(h)))
         decay = 0.5 ** (1.0 / HEAD_ROUNDS_HALFLIFE)
         self._head_rounds[(bucket, h)] = (weight * decay + 1.0, e * decay + value / active, n * decay + wanted / active)
@@ -356,11 +400,17 @@ class DraftChooser:
     def observe(self, view: RowView, plan: RoundPlan, num_accepted: np.ndarray) -> None:
         """Verification's outcome for every row that drafted (the predictor learns from it), and
         whether the bucket's choosing should pause."""
-        for b in np.flatnonzero(plan.num_drafts > 0):
-            b = int(b)
-            match = int(view.history_match[b]) if plan.source[b] == HISTORY else 0
-            self.predictor.observe(int(plan.source[b]), plan.features[b], float(view.entropy[b]), match,
-                                   int(plan.num_drafts[b]), int(num_accepted[b]))
+        drafted = np.flatnonzero(plan.num_drafts > 0)
+        if drafted.size:
+            num = plan.num_drafts[drafted]
+            features = np.zeros((drafted.size, int(num.max())))          # [R, n]: each row's features, 0 past them
+            for i, b in enumerate(drafted.tolist()):
+                features[i, :num[i]] = plan.features[b]
+            source = plan.source[drafted]
+            match = np.zeros_like(num)
+            if view.history_match is not None:
+                match = np.where(source == HISTORY, view.history_match[drafted], 0)
+            self.predictor.observe_rows(source, features, view.entropy[drafted], match, num, num_accepted[drafted])
         if plan.reason == "chosen":          # probes were not choices; head steps that verified nothing drafted nothing
             self._count_idle(view.active.shape[0], bool(plan.num_drafts.any()))
             if not plan.num_drafts.any() and plan.head_steps == 0:
@@ -398,16 +448,6 @@ class DraftChooser:
         self.rounds_without_heads += self.use_heads
         self.rounds_without_history += self.use_history
         return True
-
-
-def _by_position(reaches: list[np.ndarray], k: int) -> tuple[np.ndarray, np.ndarray]:
-    """Per chain position 1..k, summed over rows: the drafts wanted and the tokens they are expected to
-    add, from each row's expected reach at its wanted positions."""
-    wanted, value = np.zeros(k), np.zeros(k)
-    for reach in reaches:
-        wanted[:reach.size] += 1.0
-        value[:reach.size] += reach
-    return wanted, value
 
 
 def _keep_within(plan: RoundPlan, budget: int) -> None:

@@ -13,17 +13,15 @@ Only features of distributions, never of a sampled draft token, may decide what 
 that looked at the sampled token would verify a draft drawn from q restricted by that rule against
 q itself, which is lossy (rollout.engine.chooser keeps to this).
 
-Each (source, position, feature bin, entropy bin) keeps decayed counts of rows that reached and
-accepted it; its estimate is shrunk towards the (source, position, feature bin) estimate, which is
-shrunk towards the (source, position) estimate, which is shrunk towards a prior. Estimates follow the
-policy as it moves (halflife in observations per cell) and are calibrated against what verification
-observed, so a badly ranked feature costs accuracy of the ranking only, not of the level.
+Each (source, position, feature bin, match bin, entropy bin) keeps decayed counts of rows that reached
+and accepted it; its estimate is shrunk towards the (source, position, feature bin, match bin) estimate,
+which is shrunk towards the (source, position) estimate, which is shrunk towards a prior. Estimates
+follow the policy as it moves (halflife in observations per cell) and are calibrated against what
+verification observed, so a badly ranked feature costs accuracy of the ranking only, not of the level.
+The counts are dense arrays and every cell's estimate one table, rebuilt once after a round's
+observations: the chooser reads it for all rows of a round at once (host time is round time).
 """
 from __future__ import annotations
-
-from bisect import bisect_left
-from collections import defaultdict
-from dataclasses import dataclass
 
 import numpy as np
 
@@ -34,23 +32,21 @@ ENTROPY_BINS = (0.5, 1.5, 3.0)                                   # nats; four bi
 MATCH_BINS = (2, 4, 8)                                           # history: match length bins (four)
 
 
+_FEATURE_EDGES, _ENTROPY_EDGES, _MATCH_EDGES = (np.array(bins, dtype=np.float64)
+                                                for bins in (FEATURE_BINS, ENTROPY_BINS, MATCH_BINS))
+
+
 def feature_bin(x: np.ndarray) -> np.ndarray:
     """Feature values in [0, 1] -> bin indices 0..len(FEATURE_BINS)."""
-    return np.searchsorted(FEATURE_BINS, np.asarray(x, dtype=np.float64), side="left")
+    return np.searchsorted(_FEATURE_EDGES, np.asarray(x, dtype=np.float64), side="left")
 
 
 def entropy_bin(h: np.ndarray) -> np.ndarray:
-    return np.searchsorted(ENTROPY_BINS, np.asarray(h, dtype=np.float64), side="left")
+    return np.searchsorted(_ENTROPY_EDGES, np.asarray(h, dtype=np.float64), side="left")
 
 
 def match_bin(m: np.ndarray) -> np.ndarray:
-    return np.searchsorted(MATCH_BINS, np.asarray(m, dtype=np.float64), side="left")
-
-
-@dataclass
-class _Counts:
-    accepted: float = 0.0
-    reached: float = 0.0
+    return np.searchsorted(_MATCH_EDGES, np.asarray(m, dtype=np.float64), side="left")
 
 
 class AcceptancePredictor:
@@ -59,58 +55,80 @@ class AcceptancePredictor:
     def __init__(self, k_max: int, *, prior: float = 0.4, prior_weight: float = 4.0, halflife: float = 256.0):
         self.k_max, self.prior, self.prior_weight = k_max, prior, prior_weight
         self.decay = 0.5 ** (1.0 / halflife)
-        self._cells: dict[tuple, _Counts] = defaultdict(_Counts)
+        self._shape = (len(SOURCES), k_max, len(FEATURE_BINS) + 1, len(MATCH_BINS) + 1, len(ENTROPY_BINS) + 1)
+        # decayed counts per cell, coarsest first: [S, k], [S, k, F, M], [S, k, F, M, E], views of one
+        # buffer each (accepted, reached) so that a round's observations update all three in one pass
+        sizes = [int(np.prod(self._shape[:n])) for n in (2, 4, 5)]
+        self._offsets = np.cumsum([0] + sizes[:-1])
+        self._counts = np.zeros((2, sum(sizes)))                     # [accepted, reached] of every cell
+        self._accepted, self._reached = ([row[o:o + n].reshape(self._shape[:d])
+                                          for o, n, d in zip(self._offsets, sizes, (2, 4, 5))] for row in self._counts)
+        self._table: np.ndarray | None = None      # [S, k, F, M, E] estimates; None after new counts
 
-    # ------------------------------------------------------------------ keys
-    @staticmethod
-    def keys(source: int, position: int, feature: int, entropy: int, match: int = 0) -> tuple[tuple, tuple, tuple]:
-        """(finest, middle, coarsest) cells; history's feature cell also carries the match-length bin."""
-        return (source, position, feature, match, entropy), (source, position, feature, match), (source, position)
-
-    def estimate(self, source: int, position: int, feature: int, entropy: int, match: int = 0) -> float:
-        fine, mid, coarse = self.keys(source, position, feature, entropy, match)
-        w = self.prior_weight
-        level = self.prior
-        for key in (coarse, mid, fine):
-            c = self._cells.get(key)
-            if c is not None:
-                level = (c.accepted + w * level) / (c.reached + w)
-        return level
+    def _estimates(self) -> np.ndarray:
+        if self._table is None:
+            w = self.prior_weight
+            level = (self._accepted[0] + w * self.prior) / (self._reached[0] + w)                   # [S, k]
+            level = (self._accepted[1] + w * level[:, :, None, None]) / (self._reached[1] + w)      # [S, k, F, M]
+            self._table = (self._accepted[2] + w * level[..., None]) / (self._reached[2] + w)      # [S, k, F, M, E]
+        return self._table
 
     def predict(self, source: int, features: np.ndarray, entropy: float, match: int = 0) -> np.ndarray:
         """Conditional acceptance per chain position for one row: features [n] (feature of the
         token at position j+1) -> [n]."""
-        # the chooser asks this for every row and round: bins of a few scalars by bisect, not numpy
-        eb, mb = bisect_left(ENTROPY_BINS, float(entropy)), bisect_left(MATCH_BINS, float(match))
-        return np.array([self.estimate(source, j + 1, bisect_left(FEATURE_BINS, f), eb, mb)
-                         for j, f in enumerate(np.asarray(features, dtype=np.float64).tolist())])
+        return self.predict_rows(source, np.asarray(features, dtype=np.float64)[None], np.array([entropy]),
+                                 np.array([match]))[0]
+
+    def predict_rows(self, source: int, features: np.ndarray, entropy: np.ndarray,
+                     match: np.ndarray | None = None) -> np.ndarray:
+        """predict for R rows of one source at once: features [R, n], entropy [R], match [R] (None: 0) -> [R, n]."""
+        n = features.shape[1]
+        mb = match_bin(match)[:, None] if match is not None else 0
+        return self._estimates()[source, np.arange(n)[None], feature_bin(features), mb, entropy_bin(entropy)[:, None]]
 
     def predict_marginal(self, source: int, position: int) -> float:
         """Acceptance at `position` before the features are known (heads before drafting): the
         (source, position) level."""
-        c = self._cells.get((source, position))
-        return self.prior if c is None else (c.accepted + self.prior_weight * self.prior) / (c.reached + self.prior_weight)
+        w = self.prior_weight
+        return float((self._accepted[0][source, position - 1] + w * self.prior) / (self._reached[0][source, position - 1] + w))
 
     # ------------------------------------------------------------------ learning
     def observe(self, source: int, features: np.ndarray, entropy: float, match: int, num_verified: int,
                 num_accepted: int) -> None:
         """One row of one round: `num_verified` drafts of `source` were verified, the first
         `num_accepted` accepted (position num_accepted + 1 was rejected when < num_verified)."""
-        fb, eb, mb = feature_bin(features[:num_verified]), int(entropy_bin(entropy)), int(match_bin(match))
-        for j in range(min(num_verified, num_accepted + 1)):      # positions that were reached
-            hit = 1.0 if j < num_accepted else 0.0
-            for key in self.keys(source, j + 1, int(fb[j]), eb, mb):
-                c = self._cells[key]
-                c.accepted = c.accepted * self.decay + hit
-                c.reached = c.reached * self.decay + 1.0
+        self.observe_rows(np.array([source]), np.asarray(features, dtype=np.float64)[None, :max(num_verified, 1)],
+                          np.array([entropy]), np.array([match]), np.array([num_verified]), np.array([num_accepted]))
+
+    def observe_rows(self, source: np.ndarray, features: np.ndarray, entropy: np.ndarray, match: np.ndarray,
+                     num_verified: np.ndarray, num_accepted: np.ndarray) -> None:
+        """observe for the R rows of one round at once: source, entropy, match, num_verified,
+        num_accepted [R]; features [R, n] (n >= every row's num_verified; values past it unused)."""
+        n = features.shape[1]
+        reached = np.arange(n)[None] < np.minimum(num_verified, num_accepted + 1)[:, None]     # [R, n]
+        r, j = np.nonzero(reached)
+        if r.size == 0:
+            return
+        hit = (j < num_accepted[r]).astype(np.float64)
+        s, fb, mb, eb = source[r], feature_bin(features[r, j]), match_bin(match)[r], entropy_bin(entropy)[r]
+        cells = np.concatenate([np.ravel_multi_index(index, self._shape[:len(index)]) + offset for index, offset in
+                                zip(((s, j), (s, j, fb, mb), (s, j, fb, mb, eb)), self._offsets)])
+        self._decayed_add(cells, np.tile(hit, 3))
+        self._table = None
+
+    def _decayed_add(self, cells: np.ndarray, hit: np.ndarray) -> None:
+        """A round's events (cell, accepted or not): a cell with m of them keeps decay^m of its counts
+        and adds them (a round's rows are verified at once, so none of its events ages another)."""
+        m = np.bincount(cells, minlength=self._counts.shape[1])
+        self._counts *= self.decay ** m
+        self._counts[0] += np.bincount(cells, weights=hit, minlength=self._counts.shape[1])
+        self._counts[1] += m
 
     def reset(self, source: int | None = None) -> None:
         """Forget (one source's) estimates: new head weights start from their level again."""
-        if source is None:
-            self._cells.clear()
-        else:
-            for key in [k for k in self._cells if k[0] == source]:
-                del self._cells[key]
+        for counts in (*self._accepted, *self._reached):
+            counts[slice(None) if source is None else source] = 0.0       # views of self._counts
+        self._table = None
 
     def levels(self) -> dict[str, list[float]]:
         """Per source, the (source, position) estimates: what the monitor shows."""

@@ -43,6 +43,7 @@ being chosen keeps what it cost, so it is not re-tried every time its record wou
 """
 from __future__ import annotations
 
+import functools
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -73,6 +74,22 @@ def cost_clock(device: torch.device) -> Callable[[], float]:
     if device.type == "cpu" and torch.get_num_threads() == 1:
         return time.thread_time
     return time.perf_counter
+
+
+@functools.lru_cache(maxsize=None)
+def _verified_shapes(max_tokens: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """For n = 0..max_tokens verified tokens: the tokens computed (packed_tokens) [n], the distinct
+    such counts (the shapes a verification runs at) [c], and each n's index among them [n]."""
+    packed = np.array([packed_tokens(n) for n in range(max_tokens + 1)])
+    counts = np.unique(packed)
+    return packed, counts, np.searchsorted(counts, packed)
+
+
+def _solve2(m: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """m [2, 2] (symmetric positive definite: a ridge-regularised x^T x) \\ y [2], in closed form
+    (np.linalg.solve's call costs more than the arithmetic, once a round)."""
+    det = m[0, 0] * m[1, 1] - m[0, 1] * m[1, 0]
+    return np.array([m[1, 1] * y[0] - m[0, 1] * y[1], m[0, 0] * y[1] - m[1, 0] * y[0]]) / det
 
 
 class RoundCostModel:
@@ -200,7 +217,7 @@ class RoundCostModel:
         scale = np.array([1.0, float(bucket)])     # a ridge penalty in units of each term's typical size
         ridge = self.prior_weight * np.diag(scale ** 2)
         xtx, xty = self._xtx.get(bucket, np.zeros((2, 2))), self._xty.get(bucket, np.zeros(2))
-        at_bucket, b = plain * np.linalg.solve(xtx + ridge, xty + ridge @ prior)
+        at_bucket, b = plain * _solve2(xtx + ridge, xty + ridge @ prior)
         b = max(b, plain * 0.01 / bucket)                             # a verified token is never free
         a = at_bucket - b * bucket
         head_s, steps = self._heads.get(bucket, np.zeros(2))
@@ -217,8 +234,7 @@ class RoundCostModel:
             return curve[:max_tokens + 1]
         a, b, _ = self.coefficients(bucket)
         plain = self._plain.get(bucket, 1.0)
-        packed = np.array([packed_tokens(n) for n in range(max(max_tokens, 2 * bucket) + 1)])
-        counts = np.unique(packed)                                  # the shapes a verification runs at
+        packed, counts, slot = _verified_shapes(max(max_tokens, 4 * bucket))
         ratios, rounds = np.zeros(counts.size), np.zeros(counts.size)
         record = self._by_count.get(bucket)
         if record is not None:
@@ -229,7 +245,7 @@ class RoundCostModel:
         # bucket's width, where no drafting round verifies) is pooled into the measured ones next to it
         # rather than raising every count after it
         weight = np.where(rounds > 0, rounds + self.prior_weight, 1e-3)
-        curve = isotonic_regression(shrunk, weights=weight).x[np.searchsorted(counts, packed)]
+        curve = isotonic_regression(shrunk, weights=weight).x[slot]
         self._curve[bucket] = curve
         return curve[:max_tokens + 1]
 
