@@ -8,6 +8,7 @@ import pytest
 from rollout.engine.chooser import (MARGIN_MAX, NONE, PAUSE_AFTER, DraftChooser, RoundPlan, RowView, _keep_within,
                                     fixed_plan)
 from rollout.engine.predictor import HEADS, HISTORY, AcceptancePredictor, feature_bin
+from rollout.engine import round_cost
 from rollout.engine.round_cost import RoundCostModel
 
 
@@ -348,11 +349,12 @@ def test_cost_model_keeps_a_step_in_verification_cost_that_a_line_cannot_show():
     assert costs.seconds(8, 14.5, 1) == pytest.approx(0.0412 + 0.002, rel=0.03)   # an expected count
 
 
-def test_verification_curve_follows_the_plain_price_when_the_machine_speeds_up():
+def test_verification_curve_follows_the_plain_price_when_the_machine_speeds_up(monkeypatch):
     """Drafting rounds are recorded as ratios to the plain price of their time, so when plain rounds get
     twice as fast the curve and the line follow (in seconds, both priced drafting at the old speed); and
     the line's price at counts no drafting round verified (below the bucket's width) does not lift the
-    measured ones."""
+    measured ones. (The records' fading while untested is held off: the next test.)"""
+    monkeypatch.setattr(round_cost, "IDLE_AFTER", 10_000)
     costs = _stepped_costs()
     for _ in range(60):
         costs.observe(8, 8, 0, 0.020)
@@ -361,6 +363,34 @@ def test_verification_curve_follows_the_plain_price_when_the_machine_speeds_up()
     assert a + b * 8 < 0.025
     curve = costs.verify_curve(8, 32)
     assert curve[16] == pytest.approx(0.0206, rel=0.05) and curve[24] == pytest.approx(0.032, rel=0.05)
+
+
+def test_drafting_prices_that_go_untested_fade_back_to_the_prior_and_drafting_is_tried_again():
+    """Drafting rounds timed dear (a slow spell) price drafting out; the plain rounds that follow do not
+    measure drafting, so once its price has gone untested for a while it fades back towards the
+    (optimistic) prior and the chooser drafts again, to measure it. Measured prices keep their weight
+    while they are tested."""
+    chooser = DraftChooser(1, ("heads",), probe_every=10_000)
+    _train_geometric(chooser, 0.5, k=1)
+    costs = chooser.costs
+    view = RowView(active=np.ones(8, dtype=bool), entropy=np.ones(8))
+    for _ in range(3):
+        costs.observe(8, 8, 0, 0.040)
+    for _ in range(60):                      # drafting rounds at twice their price
+        costs.observe(8, 16, 1, 0.080, head_seconds=0.004)
+    assert chooser.head_steps(8, view) == 0
+    dear = costs.seconds(8, 16, 1)
+    for _ in range(round_cost.IDLE_AFTER):   # untested, but not for long: kept
+        costs.observe(8, 8, 0, 0.040)
+    assert costs.seconds(8, 16, 1) == pytest.approx(dear, rel=0.02)
+    assert chooser.head_steps(8, view) == 0
+    for _ in range(10 * int(round_cost.IDLE_HALFLIFE)):
+        costs.observe(8, 8, 0, 0.040)
+    assert costs.seconds(8, 16, 1) < 0.8 * dear
+    assert chooser.head_steps(8, view) == 1
+    for _ in range(30):                      # measured again, at the same dear price: drafting stops
+        costs.observe(8, 16, 1, 0.080, head_seconds=0.004)
+    assert chooser.head_steps(8, view) == 0
 
 
 def _train_geometric(chooser, rate, rounds=600, k=3, seed=0):

@@ -38,8 +38,16 @@ plain round and one of 32 tokens 21-59% more, a step the line a + b * n cannot s
 the decayed mean of its rounds' time (less their head steps) over the plain price of the moment (a
 ratio, so that the machine's drift, which the plain price follows, does not age it), shrunk towards
 the line where n has few rounds, and made non-decreasing in n by isotonic regression weighted by
-each count's rounds (`verify_curve`). A count that stops
-being chosen keeps what it cost, so it is not re-tried every time its record would have faded.
+each count's rounds (`verify_curve`).
+
+What drafting rounds taught (the line, the head steps' time, each count's record) fades once it goes
+untested: IDLE_AFTER rounds of the bucket after the last round that measured it, it loses weight with a
+halflife of IDLE_HALFLIFE rounds (`_freshness`). Kept until new drafting rounds replaced it, a stretch of
+drafting rounds timed slow (a shared machine's slow spell, read against a plain price from before it)
+priced drafting out for good: no drafting round ran again to correct the price, and a batch-8 call at
+T = 1 took 1% of its tokens from the heads where the same engine takes 14-20% (experiments/LOG.md). A
+price that stops being tested now returns towards the prior, which is optimistic, until a few drafting
+rounds measure it again; a count priced above a step in the curve is re-tried that way now and then.
 """
 from __future__ import annotations
 
@@ -63,6 +71,8 @@ PRIOR_HEAD = 0.05
 CONTEXT_UNIT = 1000.0       # tokens: the context regressor's scale
 CONTEXT_MIN_ROUNDS = 8.0    # plain rounds before kappa is fitted (0 before)
 CURVE_HALFLIFE = 32.0       # rounds of one verified count, over which its record fades
+IDLE_AFTER = 32             # rounds of a bucket without measuring a drafting price before it starts to fade
+IDLE_HALFLIFE = 16.0        # ... and the rounds over which it then halves its weight
 
 
 def cost_clock(device: torch.device) -> Callable[[], float]:
@@ -111,6 +121,9 @@ class RoundCostModel:
         self._kappa: dict[int, float] = {}
         self._by_count: dict[int, np.ndarray] = {}   # bucket -> [2, n] decayed (sum of ratios to plain, rounds) per count
         self._curve: dict[int, np.ndarray] = {}
+        self._rounds: dict[int, int] = {}            # bucket -> its rounds observed so far
+        self._drafted_at: dict[int, int] = {}        # bucket -> its last drafting round (line, head steps)
+        self._count_at: dict[int, np.ndarray] = {}   # bucket -> [n] the last round that verified each count
 
     def observe(self, bucket: int, tokens: int, head_steps: int, seconds: float, context: float = 0.0,
                 head_seconds: float | None = None) -> None:
@@ -125,6 +138,7 @@ class RoundCostModel:
         if shape not in self._seen:      # first use of a shape pays for oneDNN's kernel set-up: no sample
             self._seen.add(shape)
             return
+        now = self._rounds[bucket] = self._rounds.get(bucket, 0) + 1
         plain_round = head_steps == 0 and tokens <= bucket
         if plain_round and tokens == bucket:
             self._observe_context(bucket, context, seconds)
@@ -142,6 +156,10 @@ class RoundCostModel:
         if plain_round:
             self._timed_plain.add(bucket)
             return
+        fresh = self._freshness(bucket, self._drafted_at.get(bucket, now))
+        self._drafted_at[bucket] = now
+        if bucket in self._heads:
+            self._heads[bucket] = self._heads[bucket] * fresh
         if head_steps:
             head_seconds = min(max(head_seconds, 0.0) / self.context_factor(bucket, context), seconds)
             old = self._heads.get(bucket, np.zeros(2))
@@ -152,18 +170,28 @@ class RoundCostModel:
         x = np.array([1.0, tokens - bucket])     # centred: the intercept is a round verifying the bucket's tokens
         if bucket not in self._xtx:
             self._xtx[bucket], self._xty[bucket] = np.zeros((2, 2)), np.zeros(2)
-        self._xtx[bucket] = self._xtx[bucket] * self.decay + np.outer(x, x)
-        self._xty[bucket] = self._xty[bucket] * self.decay + x * (seconds / self._plain[bucket])
+        self._xtx[bucket] = self._xtx[bucket] * fresh * self.decay + np.outer(x, x)
+        self._xty[bucket] = self._xty[bucket] * fresh * self.decay + x * (seconds / self._plain[bucket])
+
+    def _freshness(self, bucket: int, measured_at):
+        """The weight left to what was last measured at round `measured_at` (int or [n]) of the bucket:
+        1 for IDLE_AFTER rounds, then halving every IDLE_HALFLIFE rounds."""
+        idle = np.maximum(self._rounds.get(bucket, 0) - np.asarray(measured_at) - IDLE_AFTER, 0)
+        return 0.5 ** (idle / IDLE_HALFLIFE)
 
     def _observe_count(self, bucket: int, tokens: int, ratio: float) -> None:
         n = packed_tokens(tokens)
         record = self._by_count.get(bucket)
         if record is None or record.shape[1] <= n:
-            grown = np.zeros((2, max(n + 1, 2 * (record.shape[1] if record is not None else bucket))))
+            width = max(n + 1, 2 * (record.shape[1] if record is not None else bucket))
+            grown, at = np.zeros((2, width)), np.zeros(width, dtype=np.int64)
             if record is not None:
-                grown[:, :record.shape[1]] = record
-            self._by_count[bucket] = record = grown
-        record[:, n] = record[:, n] * 0.5 ** (1.0 / CURVE_HALFLIFE) + (ratio, 1.0)
+                grown[:, :record.shape[1]], at[:record.shape[1]] = record, self._count_at[bucket]
+            self._by_count[bucket], self._count_at[bucket] = grown, at
+            record = grown
+        at = self._count_at[bucket]
+        record[:, n] = record[:, n] * self._freshness(bucket, at[n]) * 0.5 ** (1.0 / CURVE_HALFLIFE) + (ratio, 1.0)
+        at[n] = self._rounds[bucket]
 
     def _observe_context(self, bucket: int, context: float, seconds: float) -> None:
         x = np.array([1.0, context / CONTEXT_UNIT])
@@ -216,11 +244,12 @@ class RoundCostModel:
         prior = np.array([1.0, PRIOR_TOKEN / bucket])     # (a + b * bucket, b) in plain rounds
         scale = np.array([1.0, float(bucket)])     # a ridge penalty in units of each term's typical size
         ridge = self.prior_weight * np.diag(scale ** 2)
-        xtx, xty = self._xtx.get(bucket, np.zeros((2, 2))), self._xty.get(bucket, np.zeros(2))
+        fresh = self._freshness(bucket, self._drafted_at.get(bucket, 0))
+        xtx, xty = self._xtx.get(bucket, np.zeros((2, 2))) * fresh, self._xty.get(bucket, np.zeros(2)) * fresh
         at_bucket, b = plain * _solve2(xtx + ridge, xty + ridge @ prior)
         b = max(b, plain * 0.01 / bucket)                             # a verified token is never free
         a = at_bucket - b * bucket
-        head_s, steps = self._heads.get(bucket, np.zeros(2))
+        head_s, steps = self._heads.get(bucket, np.zeros(2)) * fresh
         c = (head_s + self.prior_weight * plain * PRIOR_HEAD) / (steps + self.prior_weight)
         coef = np.array([max(a, 0.0), b, c])
         self._coef[bucket] = coef
@@ -239,7 +268,8 @@ class RoundCostModel:
         record = self._by_count.get(bucket)
         if record is not None:
             seen = counts < record.shape[1]
-            ratios[seen], rounds[seen] = record[0, counts[seen]], record[1, counts[seen]]
+            fresh = self._freshness(bucket, self._count_at[bucket][counts[seen]])
+            ratios[seen], rounds[seen] = record[0, counts[seen]] * fresh, record[1, counts[seen]] * fresh
         shrunk = (ratios * plain + self.prior_weight * (a + b * counts)) / (rounds + self.prior_weight)
         # non-decreasing in n, each count weighted by its rounds: a count without any (below the
         # bucket's width, where no drafting round verifies) is pooled into the measured ones next to it
