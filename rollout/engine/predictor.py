@@ -66,6 +66,7 @@ class AcceptancePredictor:
         self._table: np.ndarray | None = None      # [S, k, F, M, E] estimates; None after new counts
 
     def _estimates(self) -> np.ndarray:
+        """[S, k, F, M, E]: every cell's estimate, each level shrunk towards the coarser one's."""
         if self._table is None:
             w = self.prior_weight
             level = (self._accepted[0] + w * self.prior) / (self._reached[0] + w)                   # [S, k]
@@ -113,10 +114,10 @@ class AcceptancePredictor:
         s, fb, mb, eb = source[r], feature_bin(features[r, j]), match_bin(match)[r], entropy_bin(entropy)[r]
         cells = np.concatenate([np.ravel_multi_index(index, self._shape[:len(index)]) + offset for index, offset in
                                 zip(((s, j), (s, j, fb, mb), (s, j, fb, mb, eb)), self._offsets)])
-        self._decayed_add(cells, np.tile(hit, 3))
+        self._add_round(cells, np.tile(hit, 3))
         self._table = None
 
-    def _decayed_add(self, cells: np.ndarray, hit: np.ndarray) -> None:
+    def _add_round(self, cells: np.ndarray, hit: np.ndarray) -> None:
         """A round's events (cell, accepted or not): a cell with m of them keeps decay^m of its counts
         and adds them (a round's rows are verified at once, so none of its events ages another)."""
         m = np.bincount(cells, minlength=self._counts.shape[1])

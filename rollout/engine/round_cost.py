@@ -44,10 +44,10 @@ What drafting rounds taught (the line, the head steps' time, each count's record
 untested: IDLE_AFTER rounds of the bucket after the last round that measured it, it loses weight with a
 halflife of IDLE_HALFLIFE rounds (`_freshness`). Kept until new drafting rounds replaced it, a stretch of
 drafting rounds timed slow (a shared machine's slow spell, read against a plain price from before it)
-priced drafting out for good: no drafting round ran again to correct the price, and a batch-8 call at
-T = 1 took 1% of its tokens from the heads where the same engine takes 14-20% (experiments/LOG.md). A
-price that stops being tested now returns towards the prior, which is optimistic, until a few drafting
-rounds measure it again; a count priced above a step in the curve is re-tried that way now and then.
+priced drafting out for good, since no drafting round ran again to correct the price (experiments/LOG.md,
+"drafting priced out for good"). A price that stops being tested returns towards the prior, which is
+optimistic, until a few drafting rounds measure it again; a count priced above a step in the curve is
+re-tried that way now and then.
 """
 from __future__ import annotations
 
@@ -96,8 +96,8 @@ def _verified_shapes(max_tokens: int) -> tuple[np.ndarray, np.ndarray, np.ndarra
 
 
 def _solve2(m: np.ndarray, y: np.ndarray) -> np.ndarray:
-    """m [2, 2] (symmetric positive definite: a ridge-regularised x^T x) \\ y [2], in closed form
-    (np.linalg.solve's call costs more than the arithmetic, once a round)."""
+    """x with m x = y, for m [2, 2] (a ridge-regularised x^T x: positive definite) and y [2], in closed
+    form (np.linalg.solve's call costs more than the arithmetic, once a round)."""
     det = m[0, 0] * m[1, 1] - m[0, 1] * m[1, 0]
     return np.array([m[1, 1] * y[0] - m[0, 1] * y[1], m[0, 0] * y[1] - m[1, 0] * y[0]]) / det
 
