@@ -9,9 +9,10 @@ passes over the measured prompts first, so that rollout history holds earlier ep
 RL. Each setting has its own engine (its own history, predictor and cost model) over the same
 weights: `plain` (k = 0), `fixed` (every row drafts k head tokens), `heads`, `history` and `both`
 (each row chooses per round by predicted acceptance from those sources: `both` is the engine's
-default). Within a repeat every setting decodes the same batch, in turn; medians over repeats of
-tok/s and of the per-repeat ratio to plain are printed with acceptance, tokens per round, the
-share of tokens from each source and the per-round time of draft / verify / accept / commit.
+default). Within a repeat every setting decodes the same batch, in turn (the order reversed every
+other repeat); medians over repeats of tok/s and of the per-repeat ratio to plain are printed with
+acceptance, tokens per round, the share of tokens from each source and the per-round time of draft /
+verify / accept / commit.
 
 Function API (used by the vLLM side-by-side bench): `make_engine(...)` and
 `run_ours(engine, prompts, sampling) -> dict` (one timed generate with its breakdown).
@@ -164,7 +165,7 @@ def bench(policy, heads, cfg: BenchDecodeConfig, batches: dict[int, list], label
         warm_s = time.perf_counter() - t0
         runs = {name: [] for name in engines}
         for r, prompts in enumerate(repeats):
-            for name, engine in engines.items():
+            for name, engine in in_turn(engines, r):
                 runs[name].append(run_ours(engine, prompts, replace(sps[name], seed=r)))
         for name, rs in runs.items():
             med = lambda key: statistics.median(x[key] for x in rs)   # noqa: E731
@@ -188,6 +189,14 @@ def bench(policy, heads, cfg: BenchDecodeConfig, batches: dict[int, list], label
                   f"  share heads {row['share']['heads']:.2f} history {row['share']['history']:.2f}  ms/round: {ph}",
                   flush=True)
     return rows
+
+
+def in_turn(engines: dict, repeat: int) -> list:
+    """The (setting, engine) pairs in the order repeat `repeat` runs them: reversed every other repeat,
+    so that the machine's drift within a repeat (tens of percent within minutes on a shared CPU)
+    favours neither the setting that runs first nor the one that runs last."""
+    order = list(engines.items())
+    return order[::-1] if repeat % 2 else order
 
 
 def pooled_tok_s(runs: list[dict]) -> float:

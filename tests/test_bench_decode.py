@@ -39,6 +39,14 @@ def test_ignore_eos_reaches_every_timed_call(fake_runs, ignore_eos):
     assert len(fake_runs) == 4 and all(sp.ignore_eos is ignore_eos for _, sp in fake_runs)
 
 
+def test_repeats_alternate_which_setting_decodes_first_and_ratios_pair_the_same_repeat(fake_runs):
+    cfg = bd.BenchDecodeConfig(settings=["plain", "both"], batch_sizes=[1], repeats=2, history_epochs=0)
+    rows = {r["setting"]: r for r in bd.bench(None, object(), cfg, {1: [[[1, 2]], [[3, 4]]]}, "test")}
+    assert [name for name, _ in fake_runs] == ["plain", "both", "both", "plain"]
+    assert [sp.seed for _, sp in fake_runs] == [0, 0, 1, 1]
+    assert rows["both"]["all_ratios"] == pytest.approx([1.5, 200 / 300])
+
+
 def test_pooled_ratio_is_all_tokens_over_all_seconds_against_plains(fake_runs):
     cfg = bd.BenchDecodeConfig(settings=["plain", "both"], batch_sizes=[1], repeats=2, history_epochs=0,
                                ignore_eos=False)
