@@ -17,7 +17,12 @@ rounds stop happening once drafting pays, so the chooser runs one now and then (
 keep the plain price current. Until a bucket has seen enough drafting rounds of different shapes to
 tell b and c apart, a prior fills in: written in units of that bucket's plain round (every call
 starts with plain rounds while the heads' caches fill and history is empty), and the fit is shrunk
-towards it (ridge) so a few noisy rounds cannot price drafting out for good.
+towards it (ridge) so a few noisy rounds cannot price drafting out for good. The slope b is shrunk
+much harder than the intercept (SLOPE_PRIOR_ROUNDS): drafting rounds verify a narrow range of counts
+(9-24 at batch 8) whose times scatter by tens of percent with the machine, and a verification's cost
+steps at AMX's 16-row tiles where a line cannot follow it, so the fitted slope swung tenfold between
+calls of one process (experiments/LOG.md, "the threshold's slope"); b sets the chooser's per-row
+threshold, where such a swing decides whether any row wants a head draft.
 
 A round computes the rows that have not finished (where verification packs them; a padded forward
 computes the whole bucket), so a plain round with r of its bucket's rows computed is priced as the
@@ -73,6 +78,7 @@ CONTEXT_MIN_ROUNDS = 8.0    # plain rounds before kappa is fitted (0 before)
 CURVE_HALFLIFE = 32.0       # rounds of one verified count, over which its record fades
 IDLE_AFTER = 32             # rounds of a bucket without measuring a drafting price before it starts to fade
 IDLE_HALFLIFE = 16.0        # ... and the rounds over which it then halves its weight
+SLOPE_PRIOR_ROUNDS = 32.0   # the prior's weight on b: as many rounds as verify one draft per row
 
 
 def cost_clock(device: torch.device) -> Callable[[], float]:
@@ -242,8 +248,9 @@ class RoundCostModel:
             return tuple(self._coef[bucket])
         plain = self._plain.get(bucket, 1.0)
         prior = np.array([1.0, PRIOR_TOKEN / bucket])     # (a + b * bucket, b) in plain rounds
-        scale = np.array([1.0, float(bucket)])     # a ridge penalty in units of each term's typical size
-        ridge = self.prior_weight * np.diag(scale ** 2)
+        # a ridge penalty in units of each term's typical size: for a + b * bucket prior_weight rounds, for b
+        # SLOPE_PRIOR_ROUNDS rounds verifying one draft per row (see the module docstring)
+        ridge = np.diag([self.prior_weight, SLOPE_PRIOR_ROUNDS * float(bucket) ** 2])
         fresh = self._freshness(bucket, self._drafted_at.get(bucket, 0))
         xtx, xty = self._xtx.get(bucket, np.zeros((2, 2))) * fresh, self._xty.get(bucket, np.zeros(2)) * fresh
         at_bucket, b = plain * _solve2(xtx + ridge, xty + ridge @ prior)
