@@ -412,9 +412,13 @@ def rollout_speed(rows: list[dict]) -> str:
     seconds = sum(r["rollout_s"] for r in rows)
     line = f"rollouts: {tokens} tokens in {seconds:.0f}s of generate ({tokens / seconds:.1f} tok/s)" \
         if seconds > 0 else "rollouts: none timed"
-    plain = [r.get("rollout_plain_estimate_s") for r in rows]
-    if seconds > 0 and plain and all(p is not None for p in plain):
-        line += (f"; the engine estimates plain decoding at {sum(plain):.0f}s: speculation {sum(plain) / seconds:.2f}x "
+    # a step has no estimate where its rows passed through a batch bucket no plain round was timed in:
+    # the ratio is then over the steps that have one, and says so
+    known = [r for r in rows if r.get("rollout_plain_estimate_s") is not None and r["rollout_s"] > 0]
+    if known:
+        plain, timed = sum(r["rollout_plain_estimate_s"] for r in known), sum(r["rollout_s"] for r in known)
+        over = "" if len(known) == len(rows) else f" over the {len(known)} of {len(rows)} steps that have an estimate"
+        line += (f"; the engine estimates plain decoding at {plain:.0f}s{over}: speculation {plain / timed:.2f}x "
                  "(from its own round timings: docs/rl-job.md says how far to trust it)")
     history = rows[-1].get("rollout_history") if rows else None
     if history:

@@ -100,7 +100,9 @@ def test_monitor_and_job_summary_report_the_speedup(tmp_path):
             {"rollout_s": 2.0, "rollout_tokens": 40, "rollout_plain_estimate_s": 2.0}]
     line = rollout_speed(rows)
     assert "80 tokens in 4s" in line and "20.0 tok/s" in line and "speculation 1.25x" in line
-    rows[1]["rollout_plain_estimate_s"] = None
+    rows[1]["rollout_plain_estimate_s"] = None      # a step whose rows reached a bucket never timed plain
+    assert "at 3s over the 1 of 2 steps that have an estimate: speculation 1.50x" in rollout_speed(rows)
+    rows[0]["rollout_plain_estimate_s"] = None
     assert "speculation" not in rollout_speed(rows)
 
 
