@@ -128,7 +128,8 @@ class TorchEngine:
                 plain = chooser is not None and chooser.plain_round(st.batch)
                 choosing = chooser if not plain else None
                 view = self._row_view(st, history if choosing is not None else None, handles,
-                                      k_max if choosing is not None else 0)      # the fixed lengths look at none
+                                      k_max if choosing is not None else 0,      # the fixed lengths look at none
+                                      sampling.max_new_tokens)
                 before = st.committed.clone()
                 r = run_round(ctx, st, view, choosing, 0 if plain else k_max)
                 if r.k > 0:
@@ -178,19 +179,21 @@ class TorchEngine:
         return batch
 
     def _row_view(self, st: DecodeState, history: RolloutHistory | None, handles: list[int] | None,
-                  k_max: int) -> RowView:
+                  k_max: int, max_new_tokens: int) -> RowView:
         """What the chooser sees of each row before the round: unfinished or not, the entropy its last
-        token was sampled at and its history draft."""
+        token was sampled at, how many drafts it can still emit and its history draft."""
         finished = st.finished.cpu().numpy()
         row_ids = st.row_ids.cpu().numpy()
         last = (st.committed - 1)[:, None]
         entropy = st.token_entropy.gather(1, last).squeeze(1).float().cpu().numpy()
+        room = (max_new_tokens - 1 - (st.committed - st.prompt_len)).cpu().numpy()     # [B]
         view = RowView(active=~finished, entropy=entropy, row_ids=row_ids,
-                       computed_rows=int((~finished).sum()) if self._packs(st) else None)
+                       computed_rows=int((~finished).sum()) if self._packs(st) else None, room=room)
         if history is not None:
             tokens, cond, match = [], [], np.zeros(st.batch, dtype=np.int64)
             for b in range(st.batch):
-                draft = history.propose(handles[row_ids[b]], k_max) if not finished[b] else None
+                longest = min(k_max, int(room[b]))
+                draft = history.propose(handles[row_ids[b]], longest) if not finished[b] and longest > 0 else None
                 if draft is None or not draft.tokens:
                     tokens.append([]), cond.append(np.zeros(0))
                     continue

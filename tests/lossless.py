@@ -28,9 +28,19 @@ def lossy_rejection_sample(draft_tokens, draft_probs, target_probs, generator=No
 
 
 def continuation_counts(engine, sp, n_rows):
-    """n_rows completions of one short prompt, as hashable token tuples."""
+    """n_rows completions of one short prompt, their first CONTINUATION tokens as hashable tuples."""
     out = engine.generate([[4, 2]] * n_rows, sp)
-    return [tuple(c.tokens) for c in out.completions]
+    return first_tokens(out)
+
+
+CONTINUATION = 3    # tokens compared: 5^3 outcomes of a 5-token vocabulary, ~32 rows each at n = 4000
+
+
+def first_tokens(batch) -> list[tuple[int, ...]]:
+    """Each completion's first CONTINUATION tokens. Tests drafting k = 2 decode one token more than they
+    compare, so that a round verifies both drafts and may emit both (a row verifies no draft it could
+    not emit before max_new_tokens)."""
+    return [tuple(c.tokens[:CONTINUATION]) for c in batch.completions]
 
 
 def chi2_pvalue(a, b):

@@ -596,3 +596,26 @@ def test_a_bucket_whose_rounds_draft_nothing_pauses_its_choosing_for_doubling_st
     chooser = DraftChooser(3, ("heads", "history"), costs=_plain_costs(), probe_every=4)
     head_steps_only = replace(nothing, head_steps=1)          # head steps that verified nothing drafted nothing
     assert run(PAUSE_AFTER, head_steps_only) == [True] * PAUSE_AFTER and run(1) == [False]
+
+
+def test_rows_near_max_new_tokens_verify_no_draft_they_could_not_emit():
+    """A round emits a row's accepted drafts and one more token, so a row with n tokens left verifies at
+    most n - 1 drafts the chooser picks: from the heads (chosen or probed) and from history alike."""
+    good = DraftChooser(3, ("heads", "history"), costs=_plain_costs(), probe_every=1000)
+    _train(good, HEADS, 1.0)
+    _train(good, HISTORY, 1.0)
+    room = np.array([0, 1, 2, 3, 9, 0, 1, 9])
+    view = _view(8, history=[[]] * 4 + [[1, 2, 3]] * 4)
+    view.room = room
+    h = good.head_steps(8, view)
+    assert h >= 1
+    plan = good.assign(8, view, h, np.full((8, h), 0.9))
+    assert (plan.num_drafts <= np.minimum(room, 3)).all()
+    assert plan.num_drafts[0] == 0 and plan.num_drafts[5] == 0 and plan.source[0] == NONE
+    assert plan.num_drafts[4] > 0 and plan.num_drafts[7] > 0      # rows with room still draft
+    probing = DraftChooser(3, ("heads",), costs=_plain_costs(), probe_every=1)
+    probing.rounds_without_heads = 5                             # a probe forces one head draft per row ...
+    plan = probing.assign(8, view, 1, np.full((8, 1), 0.05))
+    assert plan.reason == "probe" and (plan.num_drafts <= np.minimum(room, 1)).all()    # ... that it can emit
+    assert (plan.num_drafts[room > 0] == 1).all()
+    assert fixed_plan(view, 3).num_drafts.tolist() == [3] * 8     # fixed lengths: k every round, as vLLM

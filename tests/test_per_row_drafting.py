@@ -16,7 +16,7 @@ from rollout.models.decoder import random_model
 from rollout.torch_engine import TorchEngine
 from rollout.types import SamplingParams
 from tests.conftest import random_heads
-from tests.lossless import MIXED_PROMPTS, chi2_pvalue, lossy_rejection_sample
+from tests.lossless import MIXED_PROMPTS, chi2_pvalue, first_tokens, lossy_rejection_sample
 from tests.test_torch_engine import ATTENTION, attention_config
 
 
@@ -89,17 +89,17 @@ def test_sequence_distribution_unchanged_by_mixed_sources_in_one_batch(attention
     engine = TorchEngine(policy, heads, config=EngineConfig(draft_sources=sources))
     n = 4000
     prompt = [prompt]
-    plain = [tuple(c.tokens) for c in TorchEngine(policy).generate(
-        prompt * n, SamplingParams(max_new_tokens=3, temperature=1.0, ignore_eos=True, seed=1)).completions]
-    sp = SamplingParams(max_new_tokens=3, temperature=1.0, ignore_eos=True, seed=2, num_draft_tokens=2)
+    plain = first_tokens(TorchEngine(policy).generate(
+        prompt * n, SamplingParams(max_new_tokens=4, temperature=1.0, ignore_eos=True, seed=1)))
+    sp = SamplingParams(max_new_tokens=4, temperature=1.0, ignore_eos=True, seed=2, num_draft_tokens=2)
     engine.generate(prompt * 64, sp)                     # history of this prompt to copy from
     spec_batch = engine.generate(prompt * n, sp)
-    spec = [tuple(c.tokens) for c in spec_batch.completions]
+    spec = first_tokens(spec_batch)
     drafted = [s for c in spec_batch.completions for s in c.round_sources]
     assert all(drafted.count(s) > n // 10 for s in sources) and set(drafted) == set(sources)
     assert chi2_pvalue(plain, spec) > 1e-3
     monkeypatch.setattr(round_module, "rejection_sample", lossy_rejection_sample)
-    lossy = [tuple(c.tokens) for c in engine.generate(prompt * n, sp).completions]
+    lossy = first_tokens(engine.generate(prompt * n, sp))
     assert chi2_pvalue(plain, lossy) < 1e-6
 
 
@@ -138,14 +138,14 @@ def test_sequence_distribution_unchanged_by_drafts_cut_to_a_round_budget(attenti
     policy = random_model(attention_config(attention, vocab_size=5), seed=3)
     engine = TorchEngine(policy, random_heads(policy, 2, seed=5), config=EngineConfig(draft_sources=("heads",)))
     n, prompt = 4000, [[4, 2, 4, 2, 4]]
-    plain = [tuple(c.tokens) for c in TorchEngine(policy).generate(
-        prompt * n, SamplingParams(max_new_tokens=3, temperature=1.0, ignore_eos=True, seed=1)).completions]
-    sp = SamplingParams(max_new_tokens=3, temperature=1.0, ignore_eos=True, seed=2, num_draft_tokens=2)
+    plain = first_tokens(TorchEngine(policy).generate(
+        prompt * n, SamplingParams(max_new_tokens=4, temperature=1.0, ignore_eos=True, seed=1)))
+    sp = SamplingParams(max_new_tokens=4, temperature=1.0, ignore_eos=True, seed=2, num_draft_tokens=2)
     batch = engine.generate(prompt * n, sp)
     assert {1, 2} <= {d for c in batch.completions for d in c.round_draft_tokens}
-    assert chi2_pvalue(plain, [tuple(c.tokens) for c in batch.completions]) > 1e-3
+    assert chi2_pvalue(plain, first_tokens(batch)) > 1e-3
     monkeypatch.setattr(round_module, "rejection_sample", lossy_rejection_sample)
-    lossy = [tuple(c.tokens) for c in engine.generate(prompt * n, sp).completions]
+    lossy = first_tokens(engine.generate(prompt * n, sp))
     assert chi2_pvalue(plain, lossy) < 1e-6
 
 
@@ -164,12 +164,34 @@ def test_history_only_drafting_needs_no_heads_and_is_lossless(attention):
 
 
 def test_fixed_lengths_draft_k_head_tokens_for_every_row(tiny_policy, tiny_heads):
+    """k head drafts per row every round, the last ones included (vLLM's drafter does the same)."""
     engine = TorchEngine(tiny_policy, tiny_heads, config=EngineConfig(draft_lengths="fixed"))
     out = engine.generate(MIXED_PROMPTS, SamplingParams(max_new_tokens=12, temperature=1.0, ignore_eos=True,
                                                         num_draft_tokens=3, seed=0))
     for c in out.completions:
         assert set(c.round_draft_tokens) == {3} and set(c.round_sources) == {"heads"}
     assert engine.history is None
+
+
+def test_chosen_drafts_stop_at_what_a_row_can_still_emit(tiny_policy, tiny_heads, monkeypatch):
+    """The chooser, wanting every draft it has (heads and the first call's history), verifies no draft a
+    row could not emit before its max_new_tokens; the tokens stay plain decoding's at T = 0."""
+    eager_chooser(monkeypatch)
+    base = SamplingParams(max_new_tokens=10, temperature=0, ignore_eos=True)
+    plain = TorchEngine(tiny_policy).generate(MIXED_PROMPTS, base)
+    engine = TorchEngine(tiny_policy, tiny_heads)
+    sp = replace(base, num_draft_tokens=4)
+    capped = 0
+    for out in (engine.generate(MIXED_PROMPTS, sp), engine.generate(MIXED_PROMPTS, sp)):
+        assert [c.tokens for c in out.completions] == [c.tokens for c in plain.completions]
+        for c in out.completions:
+            emitted = 1
+            for drafts, accepted in zip(c.round_draft_tokens, c.round_accepted):
+                left = 10 - emitted
+                assert 1 <= drafts <= left - 1
+                capped += drafts < 4 and left - 1 < 4
+                emitted += min(accepted + 1, left)
+    assert capped > 0
 
 
 def test_the_chooser_learns_and_the_history_persists_across_calls(tiny_policy, tiny_heads):

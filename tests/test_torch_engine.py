@@ -174,7 +174,7 @@ def test_cache_after_rejection_equals_fresh_prefill(tiny_policy):
     ctx, state, _ = engine._prefill(PROMPTS, sp)
     rejections = 0
     for _ in range(6):
-        n = run_round(ctx, state, engine._row_view(state, None, None, 0), None, 3).num_accepted
+        n = run_round(ctx, state, engine._row_view(state, None, None, 0, sp.max_new_tokens), None, 3).num_accepted
         rejections += int((n[:len(PROMPTS)] < 3).sum())
         cache = state.target
         c = state.committed

@@ -88,9 +88,18 @@ class RowView:
     history_cond: list[np.ndarray] = field(default_factory=list)    # per row: P(token j | tokens < j) from counts
     history_match: np.ndarray | None = None  # [B] match length
     computed_rows: int | None = None         # rows a plain round computes (None: the whole bucket)
+    room: np.ndarray | None = None           # [B] the most drafts each row can still emit (None: no bound)
 
     def plain_rows(self, bucket: int) -> int:
         return bucket if self.computed_rows is None else self.computed_rows
+
+    def draft_room(self, rows: np.ndarray, k: int) -> np.ndarray:
+        """[R] the drafts each of `rows` can use, at most k: a round emits its accepted drafts and one
+        more token, so a row with n tokens left to its max_new_tokens uses at most n - 1 drafts (a
+        verified draft past that is cut before it is committed)."""
+        if self.room is None:
+            return np.full(rows.size, k, dtype=np.int64)
+        return np.clip(self.room[rows], 0, k).astype(np.int64)
 
 
 @dataclass
@@ -179,9 +188,10 @@ class DraftChooser:
         lengths = np.zeros(A, dtype=np.int64)
         cond = np.zeros((A, k))
         if self.use_history and view.history_tokens:
+            limit = view.draft_room(active, k).tolist()
             for i, b in enumerate(active.tolist()):
-                if view.history_tokens[b]:
-                    c = view.history_cond[b][:k]
+                if view.history_tokens[b] and limit[i]:
+                    c = view.history_cond[b][:limit[i]]
                     lengths[i], cond[i, :c.size] = c.size, c
         acc = np.zeros((A, k))
         has = lengths > 0
@@ -254,7 +264,8 @@ class DraftChooser:
             else:                       # levels decrease along the chain
                 head_wanted[h, :h] = reach[:h] >= tau
                 head_value[h, :h] = np.where(head_wanted[h, :h] > 0, reach[:h], 0.0)
-        by_history = ~(head_value.sum(1)[:, None] > hist.expected[None])       # [H, R] rows keeping their history option
+        can_draft = view.draft_room(active, k) > 0                              # [R]
+        by_history = ~(head_value.sum(1)[:, None] > hist.expected[None]) | ~can_draft[None]   # [H, R] rows keeping their history option
         heads_rows = (active.size - by_history.sum(1)).astype(np.float64)      # [H]
         wanted = by_history @ hist.wanted + heads_rows[:, None] * head_wanted   # [H, k]
         value = by_history @ hist.reach + heads_rows[:, None] * head_value
@@ -287,7 +298,7 @@ class DraftChooser:
         if head_steps:
             acc = np.zeros((A, k))
             acc[:, :head_steps] = self.predictor.predict_rows(HEADS, head_feature[active], view.entropy[active])
-            drafted = np.full(A, head_steps)
+            drafted = view.draft_room(active, head_steps)    # [R] head steps, or fewer near max_new_tokens
             heads = _Options.of(acc, drafted, tau)           # wanted position by position, as drafted
             known = np.zeros((A, k))                         # known before the first draft was drawn
             known[:, 0], known[:, 1:head_steps] = acc[:, 0], self._heads_levels(head_steps)[1:]
@@ -304,7 +315,8 @@ class DraftChooser:
         if probe:            # verify the source anyway (its estimates are otherwise never tested)
             first = heads.acceptance[:, 0]
             plan, _, _ = self._plan(B, view, active, head_steps, head_feature, hist, heads.acceptance,
-                                    np.maximum(heads.count, 1), np.maximum(before.expected, first), prefer_heads=True)
+                                    np.minimum(np.maximum(heads.count, 1), heads.length),
+                                    np.maximum(before.expected, first), prefer_heads=True)
         elif probe_history:
             has = hist.length > 0
             forced = replace(hist, count=np.where(has, np.maximum(hist.count, 1), hist.count))
@@ -467,7 +479,8 @@ def _keep_within(plan: RoundPlan, budget: int) -> None:
 
 
 def fixed_plan(view: RowView, k: int) -> RoundPlan:
-    """Every unfinished row drafts k tokens from the heads (studies, fixed-k benchmarks)."""
+    """Every unfinished row drafts k tokens from the heads (studies, fixed-k benchmarks), as vLLM's
+    drafter does: also in a row's last rounds, where drafts past what it can emit are verified and cut."""
     B = view.active.shape[0]
     num = np.where(view.active, k, 0).astype(np.int64)
     source = np.where(view.active & (k > 0), HEADS, NONE)
