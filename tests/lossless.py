@@ -37,9 +37,9 @@ CONTINUATION = 3    # tokens compared: 5^3 outcomes of a 5-token vocabulary, ~32
 
 
 def first_tokens(batch) -> list[tuple[int, ...]]:
-    """Each completion's first CONTINUATION tokens. Tests drafting k = 2 decode one token more than they
-    compare, so that a round verifies both drafts and may emit both (a row verifies no draft it could
-    not emit before max_new_tokens)."""
+    """Each completion's first CONTINUATION tokens. The chooser's tests with k = 2 decode one token more
+    than they compare: the chooser has a row verify no draft it could not emit before max_new_tokens, so
+    at 3 tokens the first round would verify one draft, not two."""
     return [tuple(c.tokens[:CONTINUATION]) for c in batch.completions]
 
 
