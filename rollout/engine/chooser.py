@@ -99,7 +99,7 @@ class RowView:
         verified draft past that is cut before it is committed)."""
         if self.room is None:
             return np.full(rows.size, k, dtype=np.int64)
-        return np.clip(self.room[rows], 0, k).astype(np.int64)
+        return np.minimum(np.maximum(self.room[rows], 0), k).astype(np.int64)    # (np.clip's checks cost more)
 
 
 @dataclass
@@ -130,7 +130,7 @@ class _Options:
     @classmethod
     def of(cls, acceptance: np.ndarray, length: np.ndarray, tau: float) -> _Options:
         positions = np.arange(acceptance.shape[1])
-        reach = np.cumprod(acceptance, 1)                   # non-increasing: the drafts above tau lead
+        reach = acceptance.cumprod(1)                       # non-increasing: the drafts above tau lead
         count = ((reach >= tau) & (positions < length[:, None])).sum(1)
         return cls(acceptance, length, count, np.where(positions < count[:, None], reach, 0.0))
 
@@ -185,14 +185,17 @@ class DraftChooser:
         if cached is not None and cached[0] is view and cached[1] == tau:
             return cached[2]
         A, k = active.size, self.k_max
+        if not (self.use_history and any(view.history_tokens)):
+            options = _Options.none(A, k)
+            self._history_cache = (view, tau, options)
+            return options
         lengths = np.zeros(A, dtype=np.int64)
         cond = np.zeros((A, k))
-        if self.use_history and view.history_tokens:
-            limit = view.draft_room(active, k).tolist()
-            for i, b in enumerate(active.tolist()):
-                if view.history_tokens[b] and limit[i]:
-                    c = view.history_cond[b][:limit[i]]
-                    lengths[i], cond[i, :c.size] = c.size, c
+        limit = view.draft_room(active, k).tolist()
+        for i, b in enumerate(active.tolist()):
+            if view.history_tokens[b] and limit[i]:
+                c = view.history_cond[b][:limit[i]]
+                lengths[i], cond[i, :c.size] = c.size, c
         acc = np.zeros((A, k))
         has = lengths > 0
         if has.any():
@@ -204,7 +207,7 @@ class DraftChooser:
 
     def _heads_levels(self, h: int) -> np.ndarray:
         """The heads' (source, position) levels for positions 1..h: the same for every row of a round."""
-        return np.array([self.predictor.predict_marginal(HEADS, j) for j in range(1, h + 1)])
+        return self.predictor.position_levels(HEADS)[:h]
 
     def _best_budget(self, bucket: int, rows: int, active: int, head_steps: int, wanted: np.ndarray,
                      value: np.ndarray) -> tuple[int, float]:
@@ -228,8 +231,10 @@ class DraftChooser:
         total = wanted.sum(1)                                                   # [H]
         budgets = np.arange(int(math.ceil(max(total.max(), 0.0))) + 1, dtype=np.float64)    # [D]
         kept = np.minimum(budgets[None], total[:, None])                        # [H, D]
-        before = np.concatenate([np.zeros((total.size, 1)), np.cumsum(wanted, 1)[:, :-1]], 1)   # [H, k] drafts ahead of j
-        share = np.clip((kept[:, :, None] - before[:, None]) / np.maximum(wanted, 1e-12)[:, None], 0.0, 1.0)  # [H, D, k]
+        before = np.zeros_like(wanted)                                          # [H, k] drafts ahead of j
+        before[:, 1:] = wanted.cumsum(1)[:, :-1]
+        share = (kept[:, :, None] - before[:, None]) / np.maximum(wanted, 1e-12)[:, None]        # [H, D, k]
+        share = np.minimum(np.maximum(share, 0.0, out=share), 1.0, out=share)   # clipped to [0, 1]
         tokens = active + np.einsum("hdk,hk->hd", share, value)
         curve = self.costs.verify_curve(bucket, rows + budgets.size)
         seconds = np.interp(rows + kept, np.arange(curve.size), curve) + c[:, None]
@@ -237,7 +242,7 @@ class DraftChooser:
         rate[:, 0] = plain
         rate[total <= 0] = plain[total <= 0, None]
         # the smallest budget within rounding of the best (budgets past a candidate's total repeat its last)
-        best = np.argmax(rate > rate.max(1, keepdims=True) * (1 - 1e-9), axis=1)
+        best = (rate > rate.max(1, keepdims=True) * (1 - 1e-9)).argmax(1)
         return best, rate[np.arange(best.size), best]
 
     # ------------------------------------------------------------------ before drafting
@@ -255,7 +260,7 @@ class DraftChooser:
         hist = self._history_options(view, active, tau)
         # per candidate h = 0..k: the heads' drafts wanted per row and their expected tokens per chain
         # position (zeros past h), at the per-position levels or at what such rounds' rows wanted
-        reach = np.cumprod(self._heads_levels(k))
+        reach = self._heads_levels(k).cumprod()
         head_wanted, head_value = np.zeros((k + 1, k)), np.zeros((k + 1, k))
         for h in range(1, k + 1):
             realized = self._heads_per_row(bucket, h)

@@ -59,11 +59,12 @@ class AcceptancePredictor:
         # decayed counts per cell, coarsest first: [S, k], [S, k, F, M], [S, k, F, M, E], views of one
         # buffer each (accepted, reached) so that a round's observations update all three in one pass
         sizes = [int(np.prod(self._shape[:n])) for n in (2, 4, 5)]
-        self._offsets = np.cumsum([0] + sizes[:-1])
+        self._offsets = tuple(int(o) for o in np.cumsum([0] + sizes[:-1]))
         self._counts = np.zeros((2, sum(sizes)))                     # [accepted, reached] of every cell
         self._accepted, self._reached = ([row[o:o + n].reshape(self._shape[:d])
                                           for o, n, d in zip(self._offsets, sizes, (2, 4, 5))] for row in self._counts)
         self._table: np.ndarray | None = None      # [S, k, F, M, E] estimates; None after new counts
+        self._levels: np.ndarray | None = None     # [S, k] (source, position) estimates; None after new counts
 
     def _estimates(self) -> np.ndarray:
         """[S, k, F, M, E]: every cell's estimate, each level shrunk towards the coarser one's."""
@@ -90,8 +91,14 @@ class AcceptancePredictor:
     def predict_marginal(self, source: int, position: int) -> float:
         """Acceptance at `position` before the features are known (heads before drafting): the
         (source, position) level."""
-        w = self.prior_weight
-        return float((self._accepted[0][source, position - 1] + w * self.prior) / (self._reached[0][source, position - 1] + w))
+        return float(self.position_levels(source)[position - 1])
+
+    def position_levels(self, source: int) -> np.ndarray:
+        """[k] the (source, position) levels of positions 1..k (read-only; kept until new counts)."""
+        if self._levels is None:
+            w = self.prior_weight
+            self._levels = (self._accepted[0] + w * self.prior) / (self._reached[0] + w)      # [S, k]
+        return self._levels[source]
 
     # ------------------------------------------------------------------ learning
     def observe(self, source: int, features: np.ndarray, entropy: float, match: int, num_verified: int,
@@ -111,11 +118,14 @@ class AcceptancePredictor:
         if r.size == 0:
             return
         hit = (j < num_accepted[r]).astype(np.float64)
-        s, fb, mb, eb = source[r], feature_bin(features[r, j]), match_bin(match)[r], entropy_bin(entropy)[r]
-        cells = np.concatenate([np.ravel_multi_index(index, self._shape[:len(index)]) + offset for index, offset in
-                                zip(((s, j), (s, j, fb, mb), (s, j, fb, mb, eb)), self._offsets)])
+        _, k, F, M, E = self._shape
+        by_position = source[r] * k + j                                       # row-major cell indices, per level
+        by_features = (by_position * F + feature_bin(features[r, j])) * M + match_bin(match)[r]
+        by_entropy = by_features * E + entropy_bin(entropy)[r]
+        cells = np.concatenate([by_position + self._offsets[0], by_features + self._offsets[1],
+                                by_entropy + self._offsets[2]])
         self._add_round(cells, np.tile(hit, 3))
-        self._table = None
+        self._table = self._levels = None
 
     def _add_round(self, cells: np.ndarray, hit: np.ndarray) -> None:
         """A round's events (cell, accepted or not): a cell with m of them keeps decay^m of its counts
@@ -129,7 +139,7 @@ class AcceptancePredictor:
         """Forget (one source's) estimates: new head weights start from their level again."""
         for counts in (*self._accepted, *self._reached):
             counts[slice(None) if source is None else source] = 0.0       # views of self._counts
-        self._table = None
+        self._table = self._levels = None
 
     def levels(self) -> dict[str, list[float]]:
         """Per source, the (source, position) estimates: what the monitor shows."""

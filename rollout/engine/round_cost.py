@@ -101,11 +101,10 @@ def _verified_shapes(max_tokens: int) -> tuple[np.ndarray, np.ndarray, np.ndarra
     return packed, counts, np.searchsorted(counts, packed)
 
 
-def _solve2(m: np.ndarray, y: np.ndarray) -> np.ndarray:
-    """x with m x = y, for m [2, 2] (a ridge-regularised x^T x: positive definite) and y [2], in closed
-    form (np.linalg.solve's call costs more than the arithmetic, once a round)."""
-    det = m[0, 0] * m[1, 1] - m[0, 1] * m[1, 0]
-    return np.array([m[1, 1] * y[0] - m[0, 1] * y[1], m[0, 0] * y[1] - m[1, 0] * y[0]]) / det
+def _solve2(m00: float, m01: float, m10: float, m11: float, y0: float, y1: float) -> tuple[float, float]:
+    """x with m x = y, for m (a ridge-regularised x^T x: positive definite) in closed form."""
+    det = m00 * m11 - m01 * m10
+    return (m11 * y0 - m01 * y1) / det, (m00 * y1 - m10 * y0) / det
 
 
 class RoundCostModel:
@@ -119,7 +118,7 @@ class RoundCostModel:
         self._heads: dict[int, np.ndarray] = {}    # bucket -> decayed (head steps' seconds, head steps)
         self._plain: dict[int, float] = {}        # bucket -> decayed mean of plain-round seconds
         self._timed_plain: set[int] = set()       # buckets where a plain round itself was timed
-        self._coef: dict[int, np.ndarray] = {}
+        self._coef: dict[int, tuple[float, float, float]] = {}
         self._seen: set[tuple[int, int, int]] = set()
         self._since_plain: dict[int, int] = {}    # bucket -> drafting rounds since its last timed plain round
         self._ctx_xtx: dict[int, np.ndarray] = {}  # bucket -> plain rounds' decayed sums, x = (1, context)
@@ -182,6 +181,8 @@ class RoundCostModel:
     def _freshness(self, bucket: int, measured_at):
         """The weight left to what was last measured at round `measured_at` (int or [n]) of the bucket:
         1 for IDLE_AFTER rounds, then halving every IDLE_HALFLIFE rounds."""
+        if isinstance(measured_at, int):        # one round: in floats (a numpy scalar costs more than the arithmetic)
+            return 0.5 ** (max(self._rounds.get(bucket, 0) - measured_at - IDLE_AFTER, 0) / IDLE_HALFLIFE)
         idle = np.maximum(self._rounds.get(bucket, 0) - np.asarray(measured_at) - IDLE_AFTER, 0)
         return 0.5 ** (idle / IDLE_HALFLIFE)
 
@@ -243,24 +244,29 @@ class RoundCostModel:
 
     def coefficients(self, bucket: int) -> tuple[float, float, float]:
         """(a, b, c) in seconds: the ridge fit of (a, b) and the head steps' mean time c, each shrunk
-        towards the prior."""
-        if bucket in self._coef:
-            return tuple(self._coef[bucket])
+        towards the prior. In floats: it is recomputed after every round, and on 2x2 systems numpy's
+        calls cost more than the arithmetic."""
+        coef = self._coef.get(bucket)
+        if coef is not None:
+            return coef
         plain = self._plain.get(bucket, 1.0)
-        prior = np.array([1.0, PRIOR_TOKEN / bucket])     # (a + b * bucket, b) in plain rounds
+        prior_at, prior_b = 1.0, PRIOR_TOKEN / bucket      # (a + b * bucket, b) in plain rounds
         # a ridge penalty in units of each term's typical size: for a + b * bucket prior_weight rounds, for b
         # SLOPE_PRIOR_ROUNDS rounds verifying one draft per row (see the module docstring)
-        ridge = np.diag([self.prior_weight, SLOPE_PRIOR_ROUNDS * float(bucket) ** 2])
+        ridge_at, ridge_b = float(self.prior_weight), SLOPE_PRIOR_ROUNDS * float(bucket) ** 2
         fresh = self._freshness(bucket, self._drafted_at.get(bucket, 0))
-        xtx, xty = self._xtx.get(bucket, np.zeros((2, 2))) * fresh, self._xty.get(bucket, np.zeros(2)) * fresh
-        at_bucket, b = plain * _solve2(xtx + ridge, xty + ridge @ prior)
+        xtx, xty = self._xtx.get(bucket), self._xty.get(bucket)
+        (m00, m01), (m10, m11) = ((0.0, 0.0), (0.0, 0.0)) if xtx is None else (xtx * fresh).tolist()
+        y0, y1 = (0.0, 0.0) if xty is None else (xty * fresh).tolist()
+        at_bucket, b = _solve2(m00 + ridge_at, m01, m10, m11 + ridge_b, y0 + ridge_at * prior_at, y1 + ridge_b * prior_b)
+        at_bucket, b = plain * at_bucket, plain * b
         b = max(b, plain * 0.01 / bucket)                             # a verified token is never free
         a = at_bucket - b * bucket
-        head_s, steps = self._heads.get(bucket, np.zeros(2)) * fresh
+        head_s, steps = (0.0, 0.0) if bucket not in self._heads else (self._heads[bucket] * fresh).tolist()
         c = (head_s + self.prior_weight * plain * PRIOR_HEAD) / (steps + self.prior_weight)
-        coef = np.array([max(a, 0.0), b, c])
+        coef = (max(a, 0.0), b, c)
         self._coef[bucket] = coef
-        return tuple(coef)
+        return coef
 
     def verify_curve(self, bucket: int, max_tokens: int) -> np.ndarray:
         """[max_tokens + 1]: seconds of a drafting round of this bucket verifying n tokens, less its
@@ -281,8 +287,11 @@ class RoundCostModel:
         # non-decreasing in n, each count weighted by its rounds: a count without any (below the
         # bucket's width, where no drafting round verifies) is pooled into the measured ones next to it
         # rather than raising every count after it
-        weight = np.where(rounds > 0, rounds + self.prior_weight, 1e-3)
-        curve = isotonic_regression(shrunk, weights=weight).x[slot]
+        if (shrunk[1:] >= shrunk[:-1]).all():      # already non-decreasing (most rounds): the regression's answer
+            curve = shrunk[slot]
+        else:
+            weight = np.where(rounds > 0, rounds + self.prior_weight, 1e-3)
+            curve = isotonic_regression(shrunk, weights=weight).x[slot]
         self._curve[bucket] = curve
         return curve[:max_tokens + 1]
 
