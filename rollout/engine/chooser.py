@@ -184,11 +184,16 @@ class DraftChooser:
         cached = self._history_cache
         if cached is not None and cached[0] is view and cached[1] == tau:
             return cached[2]
+        if self.use_history and any(view.history_tokens):
+            options = self._history_drafts(view, active, tau)
+        else:                                  # no row has a history draft: nothing to predict
+            options = _Options.none(active.size, self.k_max)
+        self._history_cache = (view, tau, options)
+        return options
+
+    def _history_drafts(self, view: RowView, active: np.ndarray, tau: float) -> _Options:
+        """_history_options for a round where some rows have a history draft."""
         A, k = active.size, self.k_max
-        if not (self.use_history and any(view.history_tokens)):
-            options = _Options.none(A, k)
-            self._history_cache = (view, tau, options)
-            return options
         lengths = np.zeros(A, dtype=np.int64)
         cond = np.zeros((A, k))
         limit = view.draft_room(active, k).tolist()
@@ -201,9 +206,7 @@ class DraftChooser:
         if has.any():
             acc[has] = self.predictor.predict_rows(HISTORY, cond[has], view.entropy[active[has]],
                                                    view.history_match[active[has]])
-        options = _Options.of(np.where(np.arange(k) < lengths[:, None], acc, 0.0), lengths, tau)
-        self._history_cache = (view, tau, options)
-        return options
+        return _Options.of(np.where(np.arange(k) < lengths[:, None], acc, 0.0), lengths, tau)
 
     def _heads_levels(self, h: int) -> np.ndarray:
         """The heads' (source, position) levels for positions 1..h: the same for every row of a round."""

@@ -143,5 +143,5 @@ class AcceptancePredictor:
 
     def levels(self) -> dict[str, list[float]]:
         """Per source, the (source, position) estimates: what the monitor shows."""
-        return {name: [round(self.predict_marginal(s, j), 4) for j in range(1, self.k_max + 1)]
+        return {name: [round(level, 4) for level in self.position_levels(s).tolist()]
                 for s, name in enumerate(SOURCES)}
