@@ -442,6 +442,31 @@ def test_the_round_stops_short_of_a_step_in_verification_cost_that_its_drafts_wo
     assert all(len(p) == n == len(f) for p, f, n in zip(plan.predicted, plan.features, plan.num_drafts))
 
 
+def _batch_one_costs():
+    """Batch 1 on a CPU: a verified token costs 4% of a plain round, a head step 7%; every drafting round
+    so far ran one head step and verified 2 tokens, so the rounds cannot tell the slope from the intercept."""
+    costs = RoundCostModel()
+    for _ in range(20):
+        costs.observe(1, 1, 0, 0.015)
+    for _ in range(40):
+        costs.observe(1, 2, 1, 0.015 * (1.04 + 0.07), head_seconds=0.015 * 0.07)
+    return costs
+
+
+def test_at_batch_1_a_slope_the_rounds_cannot_measure_stays_cheap_enough_for_a_second_head_draft(monkeypatch):
+    """Heads accepted 45% of the time at each position: a second head draft adds ~0.2 tokens for ~0.11 of
+    a plain round, so two head steps pay. Priced at 1 / batch of the prior (0.15 of a plain round a
+    token at batch 1), the second draft looked dearer than what it adds, rounds kept verifying 2 tokens,
+    and the slope never left the prior."""
+    chooser = DraftChooser(3, ("heads",), costs=_batch_one_costs(), probe_every=1000)
+    _train_geometric(chooser, 0.45)
+    assert chooser.head_steps(1, _view(1)) == 2
+    monkeypatch.setattr(round_cost, "prior_token_share", lambda bucket: 0.15 / bucket)
+    control = DraftChooser(3, ("heads",), costs=_batch_one_costs(), probe_every=1000)
+    _train_geometric(control, 0.45)
+    assert control.head_steps(1, _view(1)) == 1
+
+
 def test_a_budget_cuts_drafts_position_by_position_and_rows_in_order_within_a_position():
     view = _view(4)
     plan = RoundPlan(3, np.array([HEADS, HEADS, HISTORY, NONE]), np.array([3, 1, 2, 0]),

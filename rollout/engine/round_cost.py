@@ -67,11 +67,15 @@ from scipy.optimize import isotonic_regression
 
 from rollout.engine.config import bucket, packed_tokens
 
-# prior shares of a plain round: a verified token costs PRIOR_TOKEN / batch of it (a plain round
-# verifies `batch` tokens), a head step PRIOR_HEAD of it. Optimistic against what 2-core CPUs
-# measured (V(2) = 1.1-1.2 at batch 8, a head step 0.08-0.1), so drafting is tried and then priced
-# by what it cost.
-PRIOR_TOKEN = 0.15
+# prior shares of a plain round: a plain round of `batch` rows costs what batch + PRIOR_STREAM_ROWS
+# verified tokens would (its weights stream from memory whatever its rows), a verified token
+# PRIOR_TOKEN / (batch + PRIOR_STREAM_ROWS) of it, a head step PRIOR_HEAD of it. Optimistic against
+# what 2-core CPUs measured (V(2) = 1.1-1.2 at batch 8, a head step 0.08-0.1), so drafting is tried and
+# then priced by what it cost. A token's share falls more slowly than 1 / batch: at batch 1 a verified
+# token cost 0.03-0.05 of a plain round (not the 0.15 that 1 / batch gives), and where every drafting
+# round verifies the same count the slope stays on the prior, which then decided every round's depth.
+PRIOR_TOKEN = 0.3
+PRIOR_STREAM_ROWS = 8
 PRIOR_HEAD = 0.05
 CONTEXT_UNIT = 1000.0       # tokens: the context regressor's scale
 CONTEXT_MIN_ROUNDS = 8.0    # plain rounds before kappa is fitted (0 before)
@@ -79,6 +83,11 @@ CURVE_HALFLIFE = 32.0       # rounds of one verified count, over which its recor
 IDLE_AFTER = 32             # rounds of a bucket without measuring a drafting price before it starts to fade
 IDLE_HALFLIFE = 16.0        # ... and the rounds over which it then halves its weight
 SLOPE_PRIOR_ROUNDS = 32.0   # the prior's weight on b: as many rounds as verify one draft per row
+
+
+def prior_token_share(bucket: int) -> float:
+    """A verified token's prior price, as a share of a plain round of `bucket` rows."""
+    return PRIOR_TOKEN / (bucket + PRIOR_STREAM_ROWS)
 
 
 def cost_clock(device: torch.device) -> Callable[[], float]:
@@ -152,7 +161,7 @@ class RoundCostModel:
         if plain_round and tokens < bucket:   # rows that finished were not computed: on the full bucket's scale
             seconds = seconds + self.coefficients(bucket)[1] * (bucket - tokens)
         # the prior's unit, a plain round: timed where one ran, else read off this round through the prior
-        unit = seconds / (1 + PRIOR_TOKEN * (max(tokens, bucket) / bucket - 1) + PRIOR_HEAD * head_steps)
+        unit = seconds / (1 + prior_token_share(bucket) * (max(tokens, bucket) - bucket) + PRIOR_HEAD * head_steps)
         if plain_round or bucket not in self._timed_plain:
             old = self._plain.get(bucket)
             self._plain[bucket] = unit if old is None else 0.9 * old + 0.1 * unit
@@ -250,7 +259,7 @@ class RoundCostModel:
         if coef is not None:
             return coef
         plain = self._plain.get(bucket, 1.0)
-        prior_at, prior_b = 1.0, PRIOR_TOKEN / bucket      # (a + b * bucket, b) in plain rounds
+        prior_at, prior_b = 1.0, prior_token_share(bucket)      # (a + b * bucket, b) in plain rounds
         # a ridge penalty in units of each term's typical size: for a + b * bucket prior_weight rounds, for b
         # SLOPE_PRIOR_ROUNDS rounds verifying one draft per row (see the module docstring)
         ridge_at, ridge_b = float(self.prior_weight), SLOPE_PRIOR_ROUNDS * float(bucket) ** 2
