@@ -72,8 +72,8 @@ from rollout.engine.config import bucket, packed_tokens
 # PRIOR_TOKEN / (batch + PRIOR_STREAM_ROWS) of it, a head step PRIOR_HEAD of it. Optimistic against
 # what 2-core CPUs measured (V(2) = 1.1-1.2 at batch 8, a head step 0.08-0.1), so drafting is tried and
 # then priced by what it cost. A token's share falls more slowly than 1 / batch: at batch 1 a verified
-# token cost 0.03-0.05 of a plain round (not the 0.15 that 1 / batch gives), and where every drafting
-# round verifies the same count the slope stays on the prior, which then decided every round's depth.
+# token costs 0.03-0.05 of a plain round on 2-core CPUs (1 / batch would say 0.15), and where every
+# drafting round verifies the same count (batch 1, one head step) the fitted slope stays on the prior.
 PRIOR_TOKEN = 0.3
 PRIOR_STREAM_ROWS = 8
 PRIOR_HEAD = 0.05
