@@ -96,7 +96,7 @@ def test_a_rounds_rows_are_predicted_and_observed_at_once_as_row_by_row():
     shared = AcceptancePredictor(1, prior_weight=1.0, halflife=1e9)
     shared.observe_rows(np.array([HEADS, HEADS]), np.full((2, 1), 0.5), np.ones(2), np.zeros(2, dtype=int),
                         np.ones(2, dtype=int), np.array([1, 0]))
-    assert shared.predict_marginal(HEADS, 1) == pytest.approx((1 + 0.4) / (2 + 1))   # one of two accepted, prior 0.4
+    assert shared.position_levels(HEADS)[0] == pytest.approx((1 + 0.4) / (2 + 1))   # one of two accepted, prior 0.4
 
 
 def test_cost_model_recovers_its_coefficients_and_falls_back_to_the_prior():
@@ -232,7 +232,7 @@ def test_head_steps_whose_drafts_are_not_worth_verifying_stop_being_run():
     view = _view(8)
     for feature, runs in ((0.05, False), (0.95, True)):
         chooser = trained()
-        assert chooser.predictor.predict_marginal(HEADS, 1) == pytest.approx(0.5, abs=0.05)
+        assert chooser.predictor.position_levels(HEADS)[0] == pytest.approx(0.5, abs=0.05)
         steps, drafted = [], []
         for _ in range(12):
             h = chooser.head_steps(8, view)

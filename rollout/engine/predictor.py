@@ -88,13 +88,9 @@ class AcceptancePredictor:
         mb = match_bin(match)[:, None] if match is not None else 0
         return self._estimates()[source, np.arange(n)[None], feature_bin(features), mb, entropy_bin(entropy)[:, None]]
 
-    def predict_marginal(self, source: int, position: int) -> float:
-        """Acceptance at `position` before the features are known (heads before drafting): the
-        (source, position) level."""
-        return float(self.position_levels(source)[position - 1])
-
     def position_levels(self, source: int) -> np.ndarray:
-        """[k] the (source, position) levels of positions 1..k (read-only; kept until new counts)."""
+        """[k] the (source, position) levels of positions 1..k: acceptance before the features are known
+        (heads before drafting). Read-only; kept until new counts."""
         if self._levels is None:
             w = self.prior_weight
             self._levels = (self._accepted[0] + w * self.prior) / (self._reached[0] + w)      # [S, k]
