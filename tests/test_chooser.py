@@ -455,9 +455,9 @@ def _batch_one_costs():
 
 def test_at_batch_1_a_slope_the_rounds_cannot_measure_stays_cheap_enough_for_a_second_head_draft(monkeypatch):
     """Heads accepted 45% of the time at each position: a second head draft adds ~0.2 tokens for ~0.11 of
-    a plain round, so two head steps pay. Priced at 1 / batch of the prior (0.15 of a plain round a
-    token at batch 1), the second draft looked dearer than what it adds, rounds kept verifying 2 tokens,
-    and the slope never left the prior."""
+    a plain round, so two head steps pay. Under the old prior, 0.15 / batch of a plain round a token (0.15
+    at batch 1), the second draft looked dearer than what it adds, rounds kept verifying 2 tokens, and the
+    slope never left the prior."""
     chooser = DraftChooser(3, ("heads",), costs=_batch_one_costs(), probe_every=1000)
     _train_geometric(chooser, 0.45)
     assert chooser.head_steps(1, _view(1)) == 2
