@@ -23,7 +23,7 @@ import torch
 
 from mtp_heads.eagle3 import layer_outputs
 from mtp_heads.heads import MTPHeads
-from rollout.engine.chooser import DraftChooser, RowView
+from rollout.engine.chooser import DraftChooser, RowView, last_row
 from rollout.engine.history import RolloutHistory
 from rollout.engine.config import EngineConfig, bucket
 from rollout.engine.forwards import Forwards
@@ -113,6 +113,7 @@ class TorchEngine:
         chooser = self._chooser(k_max) if k_max > 0 and self.config.draft_lengths == "chosen" else None
         history = self._history() if chooser is not None and chooser.use_history else None
         ctx, st, results = self._prefill(prompts, sampling, heads_needed=chooser is None or chooser.use_heads)
+        can_stop = bool((ctx.stop_ids >= 0).any())         # else every row runs to max_new_tokens
         handles = history.begin_call(prompts, self.policy_version) if history is not None else None
         prefill_cost = clock() - cost0
         records: list[RoundResult] = []
@@ -129,7 +130,7 @@ class TorchEngine:
                 choosing = chooser if not plain else None
                 view = self._row_view(st, history if choosing is not None else None, handles,
                                       k_max if choosing is not None else 0,      # the fixed lengths look at none
-                                      sampling.max_new_tokens)
+                                      sampling.max_new_tokens, can_stop)
                 before = st.committed.clone()
                 r = run_round(ctx, st, view, choosing, 0 if plain else k_max)
                 if r.k > 0:
@@ -149,7 +150,7 @@ class TorchEngine:
                     chooser.costs.observe(st.batch, r.verified_tokens, r.plan.head_steps, seconds, context,
                                           head_seconds=r.head_seconds)
                     if choosing is not None:
-                        chooser.settle(st.batch, r.plan, int(view.active.sum()), int(count.sum()), seconds,
+                        chooser.settle(st.batch, r.plan, int(view.active.sum()), r.plan.worth(count), seconds,
                                        context, view.plain_rows(st.batch))
                 if progress is not None:
                     drafted = r.num_drafts.cpu().numpy()
@@ -179,16 +180,18 @@ class TorchEngine:
         return batch
 
     def _row_view(self, st: DecodeState, history: RolloutHistory | None, handles: list[int] | None,
-                  k_max: int, max_new_tokens: int) -> RowView:
+                  k_max: int, max_new_tokens: int, can_stop: bool = True) -> RowView:
         """What the chooser sees of each row before the round: unfinished or not, the entropy its last
-        token was sampled at, how many drafts it can still emit and its history draft."""
+        token was sampled at, how many drafts it can still emit, whether it alone ends the call (rows
+        that cannot stop early) and its history draft."""
         finished = st.finished.cpu().numpy()
         row_ids = st.row_ids.cpu().numpy()
         last = (st.committed - 1)[:, None]
         entropy = st.token_entropy.gather(1, last).squeeze(1).float().cpu().numpy()
         room = (max_new_tokens - 1 - (st.committed - st.prompt_len)).cpu().numpy()     # [B]
         view = RowView(active=~finished, entropy=entropy, row_ids=row_ids,
-                       computed_rows=int((~finished).sum()) if self._packs(st) else None, room=room)
+                       computed_rows=int((~finished).sum()) if self._packs(st) else None, room=room,
+                       last_share=None if can_stop or k_max == 0 else last_row(room, ~finished))
         if history is not None:
             tokens, cond, match = [], [], np.zeros(st.batch, dtype=np.int64)
             for b in range(st.batch):

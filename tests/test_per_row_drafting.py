@@ -24,8 +24,11 @@ def eager_chooser(monkeypatch):
     """The real chooser with a threshold near 0 and no round budget, so that every row drafts whatever it
     has (the head steps still chosen on the round's measured costs), and odd rows that have a history
     draft take it: the widest mix of sources and lengths in one batch, which is what losslessness must
-    survive (the choice depends on the row and its history, as the real one may)."""
+    survive (the choice depends on the row and its history, as the real one may). Rows are valued alike
+    (row_values): in these fixed-length calls the row holding the call back would otherwise be the only
+    one worth drafting for."""
     monkeypatch.setattr(DraftChooser, "threshold", lambda self, bucket, active, rows=None: 1e-3)
+    monkeypatch.setattr(DraftChooser, "row_values", lambda self, bucket, view, active, rows: None)
     best_budget = DraftChooser._best_budget
 
     def keep_all(self, bucket, rows, active, head_steps, wanted, value):
@@ -106,8 +109,10 @@ def test_sequence_distribution_unchanged_by_mixed_sources_in_one_batch(attention
 def budgeted_chooser(monkeypatch, share):
     """The real chooser running every head step (k_max), every row wanting every draft (threshold near 0),
     and a round budget of `share` of the drafts the rows wanted before drafting: every round cuts drafts
-    position by position, as a round stopping short of a step in verification cost does."""
+    position by position, as a round stopping short of a step in verification cost does. Rows are valued
+    alike (row_values), as every row wanting every draft has them."""
     monkeypatch.setattr(DraftChooser, "threshold", lambda self, bucket, active, rows=None: 1e-3)
+    monkeypatch.setattr(DraftChooser, "row_values", lambda self, bucket, view, active, rows: None)
     monkeypatch.setattr(DraftChooser, "head_steps", lambda self, bucket, view: self.k_max)
     monkeypatch.setattr(DraftChooser, "_best_budget",
                         lambda self, bucket, rows, active, h, wanted, value: (int(share * wanted.sum()), 0.0))
@@ -128,6 +133,35 @@ def test_temperature_zero_drafts_cut_to_a_round_budget_equal_plain_decoding(atte
         assert [c.tokens for c in out.completions] == [c.tokens for c in plain.completions]
     lengths = {n for c in out.completions for n in c.round_draft_tokens}
     assert {1, 2} <= lengths and 3 not in lengths     # 60% of three drafts a row: none keeps all three
+
+
+@pytest.mark.parametrize("attention", sorted(ATTENTION))
+def test_temperature_zero_drafts_for_the_row_holding_the_call_back_equal_plain_decoding(attention, monkeypatch):
+    """Rows that cannot stop early (ignore_eos) are valued by whether each alone holds the call back
+    (chooser.last_row), and a round's budget keeps the most valuable rows' drafts first. With a threshold
+    near 0 and a budget of 60% of the drafts wanted, rows draft, finish apart and some rounds have one
+    row valued above the rest: the tokens are plain decoding's."""
+    monkeypatch.setattr(DraftChooser, "threshold", lambda self, bucket, active, rows=None: 1e-3)
+    monkeypatch.setattr(DraftChooser, "_best_budget",
+                        lambda self, bucket, rows, active, h, wanted, value: (int(0.6 * wanted.sum()), 0.0))
+    values = []
+    assign = DraftChooser.assign
+
+    def recorded(self, bucket, view, head_steps, head_feature):
+        plan = assign(self, bucket, view, head_steps, head_feature)
+        values.append((plan.value, plan.num_drafts.copy()))
+        return plan
+    monkeypatch.setattr(DraftChooser, "assign", recorded)
+    policy = random_model(attention_config(attention, vocab_size=32), seed=1)
+    base = SamplingParams(max_new_tokens=30, temperature=0, ignore_eos=True)
+    plain = TorchEngine(policy).generate(MIXED_PROMPTS, base)
+    engine = TorchEngine(policy, random_heads(policy, 3, seed=2))
+    for _ in range(2):     # the second call also has history drafts
+        out = engine.generate(MIXED_PROMPTS, replace(base, num_draft_tokens=3))
+        assert [c.tokens for c in out.completions] == [c.tokens for c in plain.completions]
+    # rounds of two or more rows where one of them is valued above the rest (finished rows are valued 0)
+    one_behind = [n for v, n in values if v is not None and v.size > 1 and 0 < np.sort(v)[-2] < v.max()]
+    assert one_behind and sum(int(n.sum()) for n in one_behind) > 0
 
 
 @pytest.mark.parametrize("attention", sorted(ATTENTION))

@@ -18,6 +18,19 @@ budget is chosen on what was known before any row's first draft was drawn (the f
 feature, the levels after it, history counts), so cutting a row's drafts depends on its wants and
 the other rows' only: lossless too.
 
+What a row's token is worth: a call ends when its last row does, and a plain round is worth its active
+tokens because it ends the call a round sooner and computes every row's token (P = a + b * rows). One
+more token of a row saves that row's verification (b) and, only if the row is the call's last row on
+its own, a whole round (a): so a row's tokens are worth (b + w * a) / (P / active) of a plain round's
+token (`row_values`), w its chance of that (RowView.last_share). Where no row can stop early (no stop
+token: ignore_eos), w is 1 for the row that alone has the most tokens left and 0 for the others, rows
+tied for the most included (one of them a token ahead leaves the others last): the chooser then drafts
+for the row that holds the call back and not for rows that would only finish sooner and wait. Valued
+alike, rows drafting apart finished apart and the call's last rounds ran with few rows, each paying a
+full round's a: a fixed-length call at batch 8 on 2 CPU cores lost ~5% to it (experiments/LOG.md,
+2026-12-07). Where rows stop on EOS, which row ends last is not known; estimating it from earlier
+rows' lengths lost 2-6% on such calls, so there every row is valued alike (last_share None).
+
 Head steps run for the whole batch, so their number h is chosen once per round before drafting, as
 the h whose best budget promises the most tokens per modelled second: at first under the predictor's
 per-position levels, then on what recent rounds with h head steps wanted per row and position (the
@@ -89,6 +102,8 @@ class RowView:
     history_match: np.ndarray | None = None  # [B] match length
     computed_rows: int | None = None         # rows a plain round computes (None: the whole bucket)
     room: np.ndarray | None = None           # [B] the most drafts each row can still emit (None: no bound)
+    last_share: np.ndarray | None = None     # [B] each row's chance of being the call's last row on its own
+                                             # (last_row; None: unknown, every row alike)
 
     def plain_rows(self, bucket: int) -> int:
         return bucket if self.computed_rows is None else self.computed_rows
@@ -102,6 +117,15 @@ class RowView:
         return np.minimum(np.maximum(self.room[rows], 0), k).astype(np.int64)    # (np.clip's checks cost more)
 
 
+def last_row(room: np.ndarray, active: np.ndarray) -> np.ndarray:
+    """[B] 1 for the row that alone has the most tokens left (`room` [B]) among the `active` [B] rows,
+    0 for every other row (all 0 where rows tie for the most): where no row can stop early, the row
+    whose one more token ends the call a round sooner. RowView.last_share."""
+    left = np.where(active, room, np.iinfo(np.int64).min)
+    most = left == left.max(initial=np.iinfo(np.int64).min)
+    return (most & (most.sum() == 1) & active).astype(np.float64)
+
+
 @dataclass
 class RoundPlan:
     """The round's drafting: per row its source and how many drafts are verified."""
@@ -112,6 +136,12 @@ class RoundPlan:
     predicted: list[np.ndarray]              # per row: predicted conditional acceptance of each kept draft
     features: list[np.ndarray]               # per row: the feature of each kept draft (predictor input)
     reason: str = "chosen"                   # chosen | probe (heads) | probe_history | fixed
+    value: np.ndarray | None = None          # [B] what a token of each row is worth, in average rows' tokens
+                                             # (DraftChooser.row_values; None: every row alike)
+
+    def worth(self, made: np.ndarray) -> float:
+        """The tokens `made` [B] per row, each row's valued at its `value`."""
+        return float(made.sum()) if self.value is None else float(made @ self.value)
 
     @property
     def width(self) -> int:
@@ -125,12 +155,15 @@ class _Options:
     acceptance: np.ndarray     # [R, k] predicted conditional acceptance of each draft (0 past the row's drafts)
     length: np.ndarray         # [R] drafts the row has
     count: np.ndarray          # [R] its leading drafts each expected to add at least the round's threshold
-    reach: np.ndarray          # [R, k] the tokens each of those is expected to add (0 past count)
+    reach: np.ndarray          # [R, k] the tokens each of those is expected to add, valued (0 past count)
 
     @classmethod
-    def of(cls, acceptance: np.ndarray, length: np.ndarray, tau: float) -> _Options:
+    def of(cls, acceptance: np.ndarray, length: np.ndarray, tau: float, value: np.ndarray | None = None) -> _Options:
+        """value [R]: what a token of each row is worth (DraftChooser.row_values; None: 1)."""
         positions = np.arange(acceptance.shape[1])
         reach = acceptance.cumprod(1)                       # non-increasing: the drafts above tau lead
+        if value is not None:
+            reach = reach * value[:, None]
         count = ((reach >= tau) & (positions < length[:, None])).sum(1)
         return cls(acceptance, length, count, np.where(positions < count[:, None], reach, 0.0))
 
@@ -177,7 +210,21 @@ class DraftChooser:
         _, b, _ = self.costs.coefficients(bucket)
         return self.margin.get(bucket, 1.0) * b * active / self.costs.plain_seconds(bucket, rows)
 
-    def _history_options(self, view: RowView, active: np.ndarray, tau: float) -> _Options:
+    def row_values(self, bucket: int, view: RowView, active: np.ndarray, rows: int) -> np.ndarray | None:
+        """[R] what one more token of each active row is worth, in units of a plain round's tokens (P /
+        active; None where every row is alike): b + w * a for a row that is the call's last on its own
+        with chance w (RowView.last_share), a plain round of `rows` computed rows costing P = a + b * rows
+        (the module docstring). A plain round is worth its active tokens: it ends the call a round
+        sooner and computes each row's token."""
+        if view.last_share is None or active.size == 0:
+            return None
+        _, b, _ = self.costs.coefficients(bucket)
+        plain = self.costs.plain_seconds(bucket, rows)
+        a = max(plain - b * rows, 0.0)
+        return (b + view.last_share[active] * a) * (active.size / plain)
+
+    def _history_options(self, view: RowView, active: np.ndarray, tau: float,
+                         value: np.ndarray | None = None) -> _Options:
         """Each active row's history draft: what of it is worth verifying under threshold `tau`.
         head_steps() computes them for the round and assign() reuses them (host time is round time).
         A history draft is fixed before the round, so all of it is known before."""
@@ -185,13 +232,13 @@ class DraftChooser:
         if cached is not None and cached[0] is view and cached[1] == tau:
             return cached[2]
         if self.use_history and any(view.history_tokens):
-            options = self._history_drafts(view, active, tau)
+            options = self._history_drafts(view, active, tau, value)
         else:                                  # no row has a history draft: nothing to predict
             options = _Options.none(active.size, self.k_max)
         self._history_cache = (view, tau, options)
         return options
 
-    def _history_drafts(self, view: RowView, active: np.ndarray, tau: float) -> _Options:
+    def _history_drafts(self, view: RowView, active: np.ndarray, tau: float, value: np.ndarray | None) -> _Options:
         """_history_options for a round where some rows have a history draft."""
         A, k = active.size, self.k_max
         lengths = np.zeros(A, dtype=np.int64)
@@ -206,7 +253,7 @@ class DraftChooser:
         if has.any():
             acc[has] = self.predictor.predict_rows(HISTORY, cond[has], view.entropy[active[has]],
                                                    view.history_match[active[has]])
-        return _Options.of(np.where(np.arange(k) < lengths[:, None], acc, 0.0), lengths, tau)
+        return _Options.of(np.where(np.arange(k) < lengths[:, None], acc, 0.0), lengths, tau, value)
 
     def _heads_levels(self, h: int) -> np.ndarray:
         """The heads' (source, position) levels for positions 1..h: the same for every row of a round."""
@@ -258,27 +305,28 @@ class DraftChooser:
             return 0
         if self.rounds_without_heads >= self.probe_wait[HEADS]:
             return 1
-        rows, k = view.plain_rows(bucket), self.k_max
-        tau = self.threshold(bucket, active.size, rows)
-        hist = self._history_options(view, active, tau)
-        # per candidate h = 0..k: the heads' drafts wanted per row and their expected tokens per chain
-        # position (zeros past h), at the per-position levels or at what such rounds' rows wanted
-        reach = self._heads_levels(k).cumprod()
-        head_wanted, head_value = np.zeros((k + 1, k)), np.zeros((k + 1, k))
+        rows, k, R = view.plain_rows(bucket), self.k_max, active.size
+        tau = self.threshold(bucket, R, rows)
+        worth = self.row_values(bucket, view, active, rows)
+        hist = self._history_options(view, active, tau, worth)
+        # per candidate h = 0..k and row: the heads' drafts wanted and their expected tokens (valued) per
+        # chain position (zeros past h), at the per-position levels or at what such rounds' rows wanted
+        reach = self._heads_levels(k).cumprod()[None] * (1.0 if worth is None else worth[:, None])    # [R, k]
+        head_wanted, head_value = np.zeros((k + 1, R, k)), np.zeros((k + 1, R, k))
         for h in range(1, k + 1):
             realized = self._heads_per_row(bucket, h)
             if realized is not None:    # rows below the threshold included
-                head_value[h, :h], head_wanted[h, :h] = realized
+                head_value[h, :, :h], head_wanted[h, :, :h] = realized
             else:                       # levels decrease along the chain
-                head_wanted[h, :h] = reach[:h] >= tau
-                head_value[h, :h] = np.where(head_wanted[h, :h] > 0, reach[:h], 0.0)
+                head_wanted[h, :, :h] = reach[:, :h] >= tau
+                head_value[h, :, :h] = np.where(head_wanted[h, :, :h] > 0, reach[:, :h], 0.0)
         can_draft = view.draft_room(active, k) > 0                              # [R]
-        by_history = ~(head_value.sum(1)[:, None] > hist.expected[None]) | ~can_draft[None]   # [H, R] rows keeping their history option
-        heads_rows = (active.size - by_history.sum(1)).astype(np.float64)      # [H]
-        wanted = by_history @ hist.wanted + heads_rows[:, None] * head_wanted   # [H, k]
-        value = by_history @ hist.reach + heads_rows[:, None] * head_value
-        _, rates = self._best_budgets(bucket, rows, active.size, np.arange(k + 1), wanted, value)
-        best_h, best_rate = 0, active.size / self.costs.plain_seconds(bucket, rows)    # a plain round
+        by_history = ~(head_value.sum(2) > hist.expected[None]) | ~can_draft[None]   # [H, R] rows keeping their history option
+        by_heads = (~by_history).astype(np.float64)
+        wanted = by_history @ hist.wanted + np.einsum("hr,hrk->hk", by_heads, head_wanted)   # [H, k]
+        value = by_history @ hist.reach + np.einsum("hr,hrk->hk", by_heads, head_value)
+        _, rates = self._best_budgets(bucket, rows, R, np.arange(k + 1), wanted, value)
+        best_h, best_rate = 0, R / self.costs.plain_seconds(bucket, rows)    # a plain round
         for h, rate in enumerate(rates.tolist()):
             if rate > best_rate * (1 + 1e-9):
                 best_h, best_rate = h, rate
@@ -301,18 +349,23 @@ class DraftChooser:
                          and bool(view.history_tokens) and any(view.history_tokens[int(b)] for b in active))
         rows, A, k = view.plain_rows(bucket), active.size, self.k_max
         tau = self.threshold(bucket, max(A, 1), rows)
-        hist = self._history_options(view, active, tau)
+        worth = self.row_values(bucket, view, active, rows)
+        hist = self._history_options(view, active, tau, worth)
         heads = before = _Options.none(A, k)
         if head_steps:
             acc = np.zeros((A, k))
             acc[:, :head_steps] = self.predictor.predict_rows(HEADS, head_feature[active], view.entropy[active])
             drafted = view.draft_room(active, head_steps)    # [R] head steps, or fewer near max_new_tokens
-            heads = _Options.of(acc, drafted, tau)           # wanted position by position, as drafted
+            heads = _Options.of(acc, drafted, tau, worth)    # wanted position by position, as drafted
             known = np.zeros((A, k))                         # known before the first draft was drawn
             known[:, 0], known[:, 1:head_steps] = acc[:, 0], self._heads_levels(head_steps)[1:]
-            before = _Options.of(known, drafted, tau)
+            before = _Options.of(known, drafted, tau, worth)
         plan, by_heads, by_history = self._plan(B, view, active, head_steps, head_feature, hist, heads.acceptance,
                                                 heads.count, before.expected)
+        value_of_rows = None if worth is None else np.zeros(B)       # [B] for _keep_within and settle
+        if worth is not None:
+            value_of_rows[active] = worth
+        plan.value = value_of_rows
         wanted = before.wanted[by_heads].sum(0) + hist.wanted[by_history].sum(0)
         value = before.reach[by_heads].sum(0) + hist.reach[by_history].sum(0)
         budget, _ = self._best_budget(bucket, rows, A, head_steps, wanted, value)
@@ -340,6 +393,7 @@ class DraftChooser:
         self.rounds_without_history = (0 if (plan.source == HISTORY).any() or not self.use_history
                                        else self.rounds_without_history + 1)
         plan.reason = "probe" if probe else "probe_history" if probe_history else "chosen"
+        plan.value = value_of_rows
         self._history_cache = None
         return plan
 
@@ -472,14 +526,17 @@ class DraftChooser:
 
 def _keep_within(plan: RoundPlan, budget: int) -> None:
     """Cut the plan's drafts to `budget`, position by position: every row's first draft before any
-    row's second, rows in order within a position. Whether a row's draft at position j is kept depends
-    on the row wanting it (its features up to j) and on the other rows' wants, never on tokens the row
-    drafted: verification stays lossless."""
+    row's second; within a position the rows whose tokens are worth most first (plan.value), else in
+    order. Whether a row's draft at position j is kept depends on the row wanting it (its features up to
+    j), on the other rows' wants and on what the rows' tokens are worth (known before the round), never
+    on tokens a row drafted: verification stays lossless."""
     num = plan.num_drafts
     if int(num.sum()) <= budget:
         return
-    wants = np.arange(int(num.max()))[:, None] < num[None, :]          # [k, B] position-major
-    kept = (wants & (np.cumsum(wants.ravel()).reshape(wants.shape) <= budget)).sum(0)     # [B]
+    order = np.arange(num.size) if plan.value is None else np.argsort(-plan.value, kind="stable")   # [B]
+    wants = np.arange(int(num.max()))[:, None] < num[order][None, :]          # [k, B] position-major, in order
+    kept = np.empty_like(num)
+    kept[order] = (wants & (np.cumsum(wants.ravel()).reshape(wants.shape) <= budget)).sum(0)     # [B]
     for b in np.flatnonzero(kept < num):
         plan.predicted[b], plan.features[b] = plan.predicted[b][:kept[b]], plan.features[b][:kept[b]]
     plan.num_drafts = kept.astype(np.int64)
