@@ -23,7 +23,7 @@ import torch
 
 from mtp_heads.eagle3 import layer_outputs
 from mtp_heads.heads import MTPHeads
-from rollout.engine.chooser import DraftChooser, RowView, last_row
+from rollout.engine.chooser import DraftChooser, RowView, call_lead
 from rollout.engine.history import RolloutHistory
 from rollout.engine.config import EngineConfig, bucket
 from rollout.engine.forwards import Forwards
@@ -191,7 +191,7 @@ class TorchEngine:
         room = (max_new_tokens - 1 - (st.committed - st.prompt_len)).cpu().numpy()     # [B]
         view = RowView(active=~finished, entropy=entropy, row_ids=row_ids,
                        computed_rows=int((~finished).sum()) if self._packs(st) else None, room=room,
-                       last_share=None if can_stop or k_max == 0 else last_row(room, ~finished))
+                       ends_sooner=None if can_stop or k_max == 0 else call_lead(room, ~finished))
         if history is not None:
             tokens, cond, match = [], [], np.zeros(st.batch, dtype=np.int64)
             for b in range(st.batch):

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from rollout.engine.chooser import (MARGIN_MAX, NONE, PAUSE_AFTER, DraftChooser, RoundPlan, RowView, _keep_within,
-                                    fixed_plan, last_row)
+                                    call_lead, fixed_plan)
 from rollout.engine.predictor import HEADS, HISTORY, AcceptancePredictor, feature_bin
 from rollout.engine import round_cost
 from rollout.engine.round_cost import RoundCostModel
@@ -201,38 +201,41 @@ def test_useless_sources_draft_nothing_and_good_history_is_used():
     assert (plan.source[4:] == NONE).all() and (plan.num_drafts[4:] == 0).all()
 
 
-def test_the_row_that_alone_has_most_tokens_left_is_the_calls_last_row():
+def test_the_row_that_alone_has_most_tokens_left_ends_the_call_sooner_by_its_lead():
     room = np.array([90, 120, 100, 120, 130])
-    assert last_row(room, np.ones(5, bool)).tolist() == [0, 0, 0, 0, 1]
-    assert last_row(room, np.array([1, 1, 1, 1, 0], bool)).tolist() == [0, 0, 0, 0, 0]   # rows 1 and 3 tie
-    assert last_row(room, np.array([1, 0, 1, 1, 0], bool)).tolist() == [0, 0, 0, 1, 0]   # finished rows left out
-    assert last_row(room, np.zeros(5, bool)).tolist() == [0] * 5
+    assert call_lead(room, np.ones(5, bool)).tolist() == [0, 0, 0, 0, 10]
+    assert call_lead(room, np.array([1, 1, 1, 1, 0], bool)).tolist() == [0, 0, 0, 0, 0]   # rows 1 and 3 tie
+    assert call_lead(room, np.array([1, 0, 1, 1, 0], bool)).tolist() == [0, 0, 0, 20, 0]  # finished rows left out
+    assert call_lead(room, np.zeros(5, bool)).tolist() == [0] * 5
+    assert call_lead(room, np.eye(5, dtype=bool)[2])[2] >= 2**31 - 1                       # a row alone: all of them
 
 
 def test_where_rows_cannot_stop_early_only_the_row_holding_the_call_back_drafts():
     """History drafts every row would take when rows are valued alike (a verified token costs 2% of a
-    plain round; the first draft is nearly always accepted): where the call's last row is known, only
-    that row drafts, up to the length worth its value (b + a per token) and further than the rows valued
-    alike wanted; where the rows furthest behind tie, no row drafts (one of them a token ahead saves no
-    round); the round's worth counts each row's tokens at its value."""
+    plain round; the first draft is nearly always accepted, the second 1 time in 10): where the row
+    holding the call back is known, only that row drafts, its drafts within its lead valued b + a each
+    (further than the rows valued alike wanted: two), only one where its lead is one; where the rows
+    furthest behind tie, no row drafts (one of them a token ahead saves no round); the round's worth
+    counts each row's first token as a plain round's and its accepted drafts at their value."""
     chooser = DraftChooser(3, ("history",), costs=_plain_costs(), probe_every=1000)
     for i in range(400):                              # the first draft accepted, the second 1 time in 10
         chooser.predictor.observe(HISTORY, np.full(3, 0.9), 1.0, 5, 3, 2 if i % 10 == 0 else 1)
     alike = chooser.assign(8, _view(8, history=[[1, 2, 3]] * 8), 0, None)
     assert (alike.source == HISTORY).all() and alike.value is None
 
-    view = _view(8, history=[[1, 2, 3]] * 8)
-    view.last_share = np.eye(8)[5]
-    plan = chooser.assign(8, view, 0, None)
-    assert np.flatnonzero(plan.num_drafts).tolist() == [5] and plan.num_drafts[5] > alike.num_drafts[5]
-    a, b, _ = chooser.costs.coefficients(8)
+    def plan_for(lead):
+        view = _view(8, history=[[1, 2, 3]] * 8)
+        view.ends_sooner = lead
+        return chooser.assign(8, view, 0, None)
+    plan = plan_for(3 * np.eye(8, dtype=np.int64)[5])
+    assert np.flatnonzero(plan.num_drafts).tolist() == [5] and plan.num_drafts[5] == 2 > alike.num_drafts[5]
+    _, b, _ = chooser.costs.coefficients(8)
     plain = chooser.costs.plain_seconds(8)
-    assert plan.value[5] == pytest.approx((b + (plain - 8 * b)) * 8 / plain) and plan.value[0] == pytest.approx(8 * b / plain)
-    assert plan.worth(np.full(8, 2)) == pytest.approx(2 * plan.value.sum())
-
-    tied = _view(8, history=[[1, 2, 3]] * 8)
-    tied.last_share = np.zeros(8)
-    assert (chooser.assign(8, tied, 0, None).num_drafts == 0).all()
+    assert plan.value[5] == pytest.approx([(plain - 7 * b) * 8 / plain] * 3)         # b + a, a = plain - 8 b
+    assert plan.value[0] == pytest.approx([8 * b / plain] * 3)
+    assert plan.worth(np.array([1, 2, 1, 1, 1, 3, 1, 0])) == pytest.approx(7 + 8 * b / plain + 2 * (plain - 7 * b) * 8 / plain)
+    assert plan_for(np.eye(8, dtype=np.int64)[5]).num_drafts.tolist() == [0, 0, 0, 0, 0, 1, 0, 0]
+    assert (plan_for(np.zeros(8, dtype=np.int64)).num_drafts == 0).all()
 
 
 def test_heads_unverified_for_probe_every_rounds_are_probed():

@@ -138,7 +138,7 @@ def test_temperature_zero_drafts_cut_to_a_round_budget_equal_plain_decoding(atte
 @pytest.mark.parametrize("attention", sorted(ATTENTION))
 def test_temperature_zero_drafts_for_the_row_holding_the_call_back_equal_plain_decoding(attention, monkeypatch):
     """Rows that cannot stop early (ignore_eos) are valued by whether each alone holds the call back
-    (chooser.last_row), and a round's budget keeps the most valuable rows' drafts first. With a threshold
+    (chooser.call_lead), and a round's budget keeps the most valuable rows' drafts first. With a threshold
     near 0 and a budget of 60% of the drafts wanted, rows draft, finish apart and some rounds have one
     row valued above the rest: the tokens are plain decoding's."""
     monkeypatch.setattr(DraftChooser, "threshold", lambda self, bucket, active, rows=None: 1e-3)
@@ -160,7 +160,7 @@ def test_temperature_zero_drafts_for_the_row_holding_the_call_back_equal_plain_d
         out = engine.generate(MIXED_PROMPTS, replace(base, num_draft_tokens=3))
         assert [c.tokens for c in out.completions] == [c.tokens for c in plain.completions]
     # rounds of two or more rows where one of them is valued above the rest (finished rows are valued 0)
-    one_behind = [n for v, n in values if v is not None and v.size > 1 and 0 < np.sort(v)[-2] < v.max()]
+    one_behind = [n for v, n in values if v is not None and len(v) > 1 and 0 < np.sort(v[:, 0])[-2] < v[:, 0].max()]
     assert one_behind and sum(int(n.sum()) for n in one_behind) > 0
 
 

@@ -20,16 +20,17 @@ the other rows' only: lossless too.
 
 What a row's token is worth: a call ends when its last row does, and a plain round is worth its active
 tokens because it ends the call a round sooner and computes every row's token (P = a + b * rows). One
-more token of a row saves that row's verification (b) and, only if the row is the call's last row on
-its own, a whole round (a): so a row's tokens are worth (b + w * a) / (P / active) of a plain round's
-token (`row_values`), w its chance of that (RowView.last_share). Where no row can stop early (no stop
-token: ignore_eos), w is 1 for the row that alone has the most tokens left and 0 for the others, rows
-tied for the most included (one of them a token ahead leaves the others last): the chooser then drafts
-for the row that holds the call back and not for rows that would only finish sooner and wait. Valued
-alike, rows drafting apart finished apart and the call's last rounds ran with few rows, each paying a
-full round's a: a fixed-length call at batch 8 on 2 CPU cores lost ~5% to it (experiments/LOG.md,
-2026-12-07). Where rows stop on EOS, which row ends last is not known; estimating it from earlier
-rows' lengths lost 2-6% on such calls, so there every row is valued alike (last_share None).
+more token of a row saves that row's verification (b) and, only if it ends the call a round sooner, a
+whole round (a): so a drafted token is worth (b + a) / (P / active) of a plain round's token where it
+does and b / (P / active) where it does not (`row_values`). Where no row can stop early (no stop token:
+ignore_eos), the row that alone has the most tokens left ends the call sooner with each accepted draft
+up to its lead over the next row (RowView.ends_sooner); other rows, and rows tied for the most (one of
+them a token ahead leaves the others last), with none: the chooser then drafts for the row that holds
+the call back and not for rows that would only finish sooner and wait. Valued alike, rows drafting
+apart finished apart and the call's last rounds ran with few rows, each paying a full round's a: a
+fixed-length call at batch 8 on 2 CPU cores lost ~5% to it (experiments/LOG.md, 2026-12-07). Where rows
+stop on EOS, which row ends last is not known; estimating it from earlier rows' lengths lost 2-6% on
+such calls, so there every row is valued alike (ends_sooner None).
 
 Head steps run for the whole batch, so their number h is chosen once per round before drafting, as
 the h whose best budget promises the most tokens per modelled second: at first under the predictor's
@@ -102,8 +103,8 @@ class RowView:
     history_match: np.ndarray | None = None  # [B] match length
     computed_rows: int | None = None         # rows a plain round computes (None: the whole bucket)
     room: np.ndarray | None = None           # [B] the most drafts each row can still emit (None: no bound)
-    last_share: np.ndarray | None = None     # [B] each row's chance of being the call's last row on its own
-                                             # (last_row; None: unknown, every row alike)
+    ends_sooner: np.ndarray | None = None    # [B] how many of each row's drafts would each end the call a round
+                                             # sooner if accepted (call_lead; None: unknown, every row alike)
 
     def plain_rows(self, bucket: int) -> int:
         return bucket if self.computed_rows is None else self.computed_rows
@@ -117,13 +118,19 @@ class RowView:
         return np.minimum(np.maximum(self.room[rows], 0), k).astype(np.int64)    # (np.clip's checks cost more)
 
 
-def last_row(room: np.ndarray, active: np.ndarray) -> np.ndarray:
-    """[B] 1 for the row that alone has the most tokens left (`room` [B]) among the `active` [B] rows,
-    0 for every other row (all 0 where rows tie for the most): where no row can stop early, the row
-    whose one more token ends the call a round sooner. RowView.last_share."""
-    left = np.where(active, room, np.iinfo(np.int64).min)
-    most = left == left.max(initial=np.iinfo(np.int64).min)
-    return (most & (most.sum() == 1) & active).astype(np.float64)
+def call_lead(room: np.ndarray, active: np.ndarray) -> np.ndarray:
+    """[B] where no row can stop early: for the row that alone has the most tokens left (`room` [B])
+    among the `active` [B] rows, its lead over the next row (each of that many accepted drafts ends the
+    call a round sooner); 0 for every other row, and for all where rows tie for the most.
+    RowView.ends_sooner."""
+    left = np.where(active, room, -np.inf)
+    order = np.argsort(-left, kind="stable")
+    lead = np.zeros(left.size, dtype=np.int64)
+    if active.sum() == 1:
+        lead[order[0]] = np.iinfo(np.int32).max          # the only row: every accepted draft ends it sooner
+    elif active.sum() > 1:
+        lead[order[0]] = int(left[order[0]] - left[order[1]])
+    return lead
 
 
 @dataclass
@@ -136,12 +143,17 @@ class RoundPlan:
     predicted: list[np.ndarray]              # per row: predicted conditional acceptance of each kept draft
     features: list[np.ndarray]               # per row: the feature of each kept draft (predictor input)
     reason: str = "chosen"                   # chosen | probe (heads) | probe_history | fixed
-    value: np.ndarray | None = None          # [B] what a token of each row is worth, in average rows' tokens
-                                             # (DraftChooser.row_values; None: every row alike)
+    value: np.ndarray | None = None          # [B, k] what each row's draft at each position is worth if accepted,
+                                             # in plain rounds' tokens (DraftChooser.row_values; None: 1)
 
     def worth(self, made: np.ndarray) -> float:
-        """The tokens `made` [B] per row, each row's valued at its `value`."""
-        return float(made.sum()) if self.value is None else float(made @ self.value)
+        """The tokens `made` [B] per row (its first as a plain round's token, the rest as accepted drafts
+        valued at `value`), in plain rounds' tokens."""
+        if self.value is None:
+            return float(made.sum())
+        drafts = np.minimum(np.maximum(made - 1, 0), self.value.shape[1])                  # [B]
+        cum = np.concatenate([np.zeros((made.size, 1)), self.value.cumsum(1)], axis=1)   # [B, k + 1]
+        return float((made > 0).sum() + cum[np.arange(made.size), drafts].sum())
 
     @property
     def width(self) -> int:
@@ -159,11 +171,12 @@ class _Options:
 
     @classmethod
     def of(cls, acceptance: np.ndarray, length: np.ndarray, tau: float, value: np.ndarray | None = None) -> _Options:
-        """value [R]: what a token of each row is worth (DraftChooser.row_values; None: 1)."""
+        """value [R, k]: what each row's draft at each position is worth if accepted (DraftChooser.row_values;
+        None: 1)."""
         positions = np.arange(acceptance.shape[1])
         reach = acceptance.cumprod(1)                       # non-increasing: the drafts above tau lead
         if value is not None:
-            reach = reach * value[:, None]
+            reach = reach * value
         count = ((reach >= tau) & (positions < length[:, None])).sum(1)
         return cls(acceptance, length, count, np.where(positions < count[:, None], reach, 0.0))
 
@@ -211,17 +224,18 @@ class DraftChooser:
         return self.margin.get(bucket, 1.0) * b * active / self.costs.plain_seconds(bucket, rows)
 
     def row_values(self, bucket: int, view: RowView, active: np.ndarray, rows: int) -> np.ndarray | None:
-        """[R] what one more token of each active row is worth, in units of a plain round's tokens (P /
-        active; None where every row is alike): b + w * a for a row that is the call's last on its own
-        with chance w (RowView.last_share), a plain round of `rows` computed rows costing P = a + b * rows
-        (the module docstring). A plain round is worth its active tokens: it ends the call a round
-        sooner and computes each row's token."""
-        if view.last_share is None or active.size == 0:
+        """[R, k] what each active row's draft at each chain position is worth if accepted, in units of a
+        plain round's tokens (P / active; None where every row is alike): b + a where it ends the call a
+        round sooner (RowView.ends_sooner), else b, a plain round of `rows` computed rows costing
+        P = a + b * rows (the module docstring). A plain round is worth its active tokens: it ends the
+        call a round sooner and computes each row's token."""
+        if view.ends_sooner is None or active.size == 0:
             return None
         _, b, _ = self.costs.coefficients(bucket)
         plain = self.costs.plain_seconds(bucket, rows)
         a = max(plain - b * rows, 0.0)
-        return (b + view.last_share[active] * a) * (active.size / plain)
+        sooner = np.arange(self.k_max)[None] < view.ends_sooner[active][:, None]          # [R, k]
+        return (b + sooner * a) * (active.size / plain)
 
     def _history_options(self, view: RowView, active: np.ndarray, tau: float,
                          value: np.ndarray | None = None) -> _Options:
@@ -311,7 +325,7 @@ class DraftChooser:
         hist = self._history_options(view, active, tau, worth)
         # per candidate h = 0..k and row: the heads' drafts wanted and their expected tokens (valued) per
         # chain position (zeros past h), at the per-position levels or at what such rounds' rows wanted
-        reach = self._heads_levels(k).cumprod()[None] * (1.0 if worth is None else worth[:, None])    # [R, k]
+        reach = self._heads_levels(k).cumprod()[None] * (1.0 if worth is None else worth)    # [R, k]
         head_wanted, head_value = np.zeros((k + 1, R, k)), np.zeros((k + 1, R, k))
         for h in range(1, k + 1):
             realized = self._heads_per_row(bucket, h)
@@ -362,7 +376,7 @@ class DraftChooser:
             before = _Options.of(known, drafted, tau, worth)
         plan, by_heads, by_history = self._plan(B, view, active, head_steps, head_feature, hist, heads.acceptance,
                                                 heads.count, before.expected)
-        value_of_rows = None if worth is None else np.zeros(B)       # [B] for _keep_within and settle
+        value_of_rows = None if worth is None else np.zeros((B, k))  # [B, k] for _keep_within and settle
         if worth is not None:
             value_of_rows[active] = worth
         plan.value = value_of_rows
@@ -533,7 +547,7 @@ def _keep_within(plan: RoundPlan, budget: int) -> None:
     num = plan.num_drafts
     if int(num.sum()) <= budget:
         return
-    order = np.arange(num.size) if plan.value is None else np.argsort(-plan.value, kind="stable")   # [B]
+    order = np.arange(num.size) if plan.value is None else np.argsort(-plan.value[:, 0], kind="stable")   # [B]
     wants = np.arange(int(num.max()))[:, None] < num[order][None, :]          # [k, B] position-major, in order
     kept = np.empty_like(num)
     kept[order] = (wants & (np.cumsum(wants.ravel()).reshape(wants.shape) <= budget)).sum(0)     # [B]

@@ -130,8 +130,7 @@ class RoundCostModel:
         self._coef: dict[int, tuple[float, float, float]] = {}
         self._seen: set[tuple[int, int, int]] = set()
         self._since_plain: dict[int, int] = {}    # bucket -> drafting rounds since its last timed plain round
-        self._ctx_xtx: dict[int, np.ndarray] = {}  # bucket -> plain rounds' decayed sums, x = (1, context)
-        self._ctx_xty: dict[int, np.ndarray] = {}
+        self._ctx_sums: dict[int, tuple[float, ...]] = {}   # bucket -> plain rounds' decayed sums (_observe_context)
         self._kappa: dict[int, float] = {}
         self._by_count: dict[int, np.ndarray] = {}   # bucket -> [2, n] decayed (sum of ratios to plain, rounds) per count
         self._curve: dict[int, np.ndarray] = {}
@@ -210,23 +209,22 @@ class RoundCostModel:
         at[n] = self._rounds[bucket]
 
     def _observe_context(self, bucket: int, context: float, seconds: float) -> None:
-        x = np.array([1.0, context / CONTEXT_UNIT])
-        if bucket not in self._ctx_xtx:
-            self._ctx_xtx[bucket], self._ctx_xty[bucket] = np.zeros((2, 2)), np.zeros(2)
-        self._ctx_xtx[bucket] = self._ctx_xtx[bucket] * self.decay + np.outer(x, x)
-        self._ctx_xty[bucket] = self._ctx_xty[bucket] * self.decay + x * seconds
+        # in floats, as coefficients(): every plain round comes here, and numpy's 2x2 calls cost more
+        # than the arithmetic (sums of 1, x, x^2, y, x y for x = context / CONTEXT_UNIT)
+        x, d = context / CONTEXT_UNIT, self.decay
+        n, sx, sxx, sy, sxy = self._ctx_sums.get(bucket, (0.0, 0.0, 0.0, 0.0, 0.0))
+        self._ctx_sums[bucket] = (n * d + 1.0, sx * d + x, sxx * d + x * x, sy * d + seconds, sxy * d + x * seconds)
         self._kappa.pop(bucket, None)
 
     def context_factor(self, bucket: int, context: float) -> float:
         """What a round at `context` costs over one at context 0 (1 + kappa * context): divide a
         measured round by it to compare it with the model's prices."""
         if bucket not in self._kappa:
-            xtx = self._ctx_xtx.get(bucket)
             kappa = 0.0
-            if xtx is not None and xtx[0, 0] >= CONTEXT_MIN_ROUNDS:
+            n, sx, sxx, sy, sxy = self._ctx_sums.get(bucket, (0.0, 0.0, 0.0, 0.0, 0.0))
+            if n >= CONTEXT_MIN_ROUNDS:
                 # a weak ridge on the slope: flat until plain rounds at different contexts say otherwise
-                ridge = np.diag([0.0, 1e-3 * xtx[0, 0]])
-                alpha, beta = np.linalg.solve(xtx + ridge, self._ctx_xty[bucket])
+                alpha, beta = _solve2(n, sx, sx, sxx + 1e-3 * n, sy, sxy)
                 kappa = max(0.0, beta / alpha) if alpha > 0 else 0.0
             self._kappa[bucket] = kappa
         return 1.0 + self._kappa[bucket] * context / CONTEXT_UNIT
