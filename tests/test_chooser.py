@@ -201,22 +201,24 @@ def test_useless_sources_draft_nothing_and_good_history_is_used():
     assert (plan.source[4:] == NONE).all() and (plan.num_drafts[4:] == 0).all()
 
 
-def test_the_row_that_alone_has_most_tokens_left_ends_the_call_sooner_by_its_lead():
+def test_the_rows_with_most_tokens_left_end_the_call_sooner_by_their_lead():
     room = np.array([90, 120, 100, 120, 130])
     assert call_lead(room, np.ones(5, bool)).tolist() == [0, 0, 0, 0, 10]
-    assert call_lead(room, np.array([1, 1, 1, 1, 0], bool)).tolist() == [0, 0, 0, 0, 0]   # rows 1 and 3 tie
+    assert call_lead(room, np.array([1, 1, 1, 1, 0], bool)).tolist() == [0, 20, 0, 20, 0]  # rows 1 and 3 together
     assert call_lead(room, np.array([1, 0, 1, 1, 0], bool)).tolist() == [0, 0, 0, 20, 0]  # finished rows left out
     assert call_lead(room, np.zeros(5, bool)).tolist() == [0] * 5
-    assert call_lead(room, np.eye(5, dtype=bool)[2])[2] >= 2**31 - 1                       # a row alone: all of them
+    assert call_lead(room, np.eye(5, dtype=bool)[2])[2] >= 2**31 - 1                       # no row behind: unbounded
+    assert (call_lead(np.full(4, 7), np.ones(4, bool)) >= 2**31 - 1).all()
 
 
 def test_where_rows_cannot_stop_early_only_the_row_holding_the_call_back_drafts():
     """History drafts every row would take when rows are valued alike (a verified token costs 2% of a
     plain round; the first draft is nearly always accepted, the second 1 time in 10): where the row
     holding the call back is known, only that row drafts, its drafts within its lead valued b + a each
-    (further than the rows valued alike wanted: two), only one where its lead is one; where the rows
-    furthest behind tie, no row drafts (one of them a token ahead saves no round); the round's worth
-    counts each row's first token as a plain round's and its accepted drafts at their value."""
+    (further than the rows valued alike wanted: two), only one where its lead is one; where no row's draft
+    ends the call sooner, none; rows tied for furthest behind are valued as rows alike (b + a / active),
+    and only they draft; the round's worth counts each row's first token as a plain round's and its
+    accepted drafts at their value."""
     chooser = DraftChooser(3, ("history",), costs=_plain_costs(), probe_every=1000)
     for i in range(400):                              # the first draft accepted, the second 1 time in 10
         chooser.predictor.observe(HISTORY, np.full(3, 0.9), 1.0, 5, 3, 2 if i % 10 == 0 else 1)
@@ -236,6 +238,10 @@ def test_where_rows_cannot_stop_early_only_the_row_holding_the_call_back_drafts(
     assert plan.worth(np.array([1, 2, 1, 1, 1, 3, 1, 0])) == pytest.approx(7 + 8 * b / plain + 2 * (plain - 7 * b) * 8 / plain)
     assert plan_for(np.eye(8, dtype=np.int64)[5]).num_drafts.tolist() == [0, 0, 0, 0, 0, 1, 0, 0]
     assert (plan_for(np.zeros(8, dtype=np.int64)).num_drafts == 0).all()
+    together = plan_for(np.full(8, 50))         # all eight furthest behind: valued alike, as without a lead
+    assert (together.num_drafts == alike.num_drafts).all() and together.value == pytest.approx(np.ones((8, 3)))
+    pair = plan_for(np.array([0, 0, 0, 5, 0, 5, 0, 0]))     # two tied: a / active each, the rest b
+    assert np.flatnonzero(pair.num_drafts).tolist() == [3, 5] and pair.value[3, 0] == pytest.approx(1.0)
 
 
 def test_heads_unverified_for_probe_every_rounds_are_probed():

@@ -22,15 +22,18 @@ What a row's token is worth: a call ends when its last row does, and a plain rou
 tokens because it ends the call a round sooner and computes every row's token (P = a + b * rows). One
 more token of a row saves that row's verification (b) and, only if it ends the call a round sooner, a
 whole round (a): so a drafted token is worth (b + a) / (P / active) of a plain round's token where it
-does and b / (P / active) where it does not (`row_values`). Where no row can stop early (no stop token:
-ignore_eos), the row that alone has the most tokens left ends the call sooner with each accepted draft
-up to its lead over the next row (RowView.ends_sooner); other rows, and rows tied for the most (one of
-them a token ahead leaves the others last), with none: the chooser then drafts for the row that holds
-the call back and not for rows that would only finish sooner and wait. Valued alike, rows drafting
-apart finished apart and the call's last rounds ran with few rows, each paying a full round's a: a
-fixed-length call at batch 8 on 2 CPU cores lost ~5% to it (experiments/LOG.md, 2026-12-07). Where rows
-stop on EOS, which row ends last is not known; estimating it from earlier rows' lengths lost 2-6% on
-such calls, so there every row is valued alike (ends_sooner None).
+surely does and b / (P / active) where it does not (`row_values`). Where no row can stop early (no stop
+token: ignore_eos), the rows with the most tokens left hold the call back, by their lead over the next
+row (RowView.ends_sooner). One such row alone ends the call a round sooner with each accepted draft
+within its lead: b + a. Rows tied for it do so only if all of them are accepted, which per-row estimates
+tell badly (their product, with the predictor's estimates shrunk towards its prior, priced nearly sure
+drafts out and rows that kept together stopped drafting): they are valued as rows alike, b + a /
+active. Rows ahead of them are valued b: they would only finish sooner and wait. Valued alike, rows
+drafting apart finished apart and the call's last rounds ran with few rows, each paying a full round's
+a (experiments/LOG.md, 2026-12-07: a fixed-length call at batch 8 on 2 CPU cores 0.92x of plain before,
+0.98x after; at T = 0.6 0.97x before, 0.91x after). Where rows stop on EOS, which row ends last is not
+known; estimating it from earlier rows' lengths lost 2-6% on such calls, so there every row is valued
+alike (ends_sooner None).
 
 Head steps run for the whole batch, so their number h is chosen once per round before drafting, as
 the h whose best budget promises the most tokens per modelled second: at first under the predictor's
@@ -119,17 +122,15 @@ class RowView:
 
 
 def call_lead(room: np.ndarray, active: np.ndarray) -> np.ndarray:
-    """[B] where no row can stop early: for the row that alone has the most tokens left (`room` [B])
-    among the `active` [B] rows, its lead over the next row (each of that many accepted drafts ends the
-    call a round sooner); 0 for every other row, and for all where rows tie for the most.
-    RowView.ends_sooner."""
-    left = np.where(active, room, -np.inf)
-    order = np.argsort(-left, kind="stable")
-    lead = np.zeros(left.size, dtype=np.int64)
-    if active.sum() == 1:
-        lead[order[0]] = np.iinfo(np.int32).max          # the only row: every accepted draft ends it sooner
-    elif active.sum() > 1:
-        lead[order[0]] = int(left[order[0]] - left[order[1]])
+    """[B] where no row can stop early: for each of the `active` [B] rows with the most tokens left
+    (`room` [B]), their lead over the next row (as many accepted drafts of all of them end the call as
+    many rounds sooner; no row behind them: unbounded); 0 for every other row. RowView.ends_sooner."""
+    lead = np.zeros(room.size, dtype=np.int64)
+    if not active.any():
+        return lead
+    most = room[active].max()
+    below = room[active & (room < most)]
+    lead[active & (room == most)] = most - below.max() if below.size else np.iinfo(np.int32).max
     return lead
 
 
@@ -207,7 +208,7 @@ class DraftChooser:
         self.rounds_without_heads = 0
         self.rounds_without_history = 0
         self.probe_wait = {HEADS: probe_every, HISTORY: probe_every}   # rounds without a source before its probe
-        self._history_cache: tuple | None = None     # (view, tau, _Options) head_steps() computed
+        self._history_cache: tuple | None = None     # (view, (acceptance, lengths)) of the round's history drafts
         self._head_rounds: dict[tuple[int, int], tuple[float, float, float]] = {}   # (bucket, h) -> decayed
                                                    # (rounds, head tokens expected per row, head drafts per row)
         self.margin: dict[int, float] = {}         # bucket -> factor drafting must promise over plain
@@ -225,35 +226,45 @@ class DraftChooser:
 
     def row_values(self, bucket: int, view: RowView, active: np.ndarray, rows: int) -> np.ndarray | None:
         """[R, k] what each active row's draft at each chain position is worth if accepted, in units of a
-        plain round's tokens (P / active; None where every row is alike): b + a where it ends the call a
-        round sooner (RowView.ends_sooner), else b, a plain round of `rows` computed rows costing
-        P = a + b * rows (the module docstring). A plain round is worth its active tokens: it ends the
-        call a round sooner and computes each row's token."""
+        plain round's tokens (P / active; None where every row is alike), a plain round of `rows`
+        computed rows costing P = a + b * rows (the module docstring): b + a within its lead for a row
+        that alone is furthest behind (RowView.ends_sooner), b + a / active within their lead for rows
+        tied for furthest behind (every row alike, as without ends_sooner), b for every other row."""
         if view.ends_sooner is None or active.size == 0:
             return None
+        k = self.k_max
         _, b, _ = self.costs.coefficients(bucket)
         plain = self.costs.plain_seconds(bucket, rows)
         a = max(plain - b * rows, 0.0)
-        sooner = np.arange(self.k_max)[None] < view.ends_sooner[active][:, None]          # [R, k]
-        return (b + sooner * a) * (active.size / plain)
+        lead = view.ends_sooner[active]                                                 # [R]
+        behind = lead > 0
+        share = a if behind.sum() == 1 else a / active.size
+        within = np.arange(k)[None] < lead[:, None]                                     # [R, k]; 0 past the rows behind
+        return (b + share * within) * (active.size / plain)
+
+    def _history_acceptance(self, view: RowView, active: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Each active row's history draft: the predicted conditional acceptance of each of its tokens
+        [R, k] (0 past them) and their number [R]. Computed once per round (row_values, head_steps()
+        and assign() read it; host time is round time). A history draft is fixed before the round, so
+        all of it is known before."""
+        cached = self._history_cache
+        if cached is not None and cached[0] is view:
+            return cached[1]
+        if self.use_history and any(view.history_tokens):
+            out = self._history_drafts(view, active)
+        else:                                  # no row has a history draft: nothing to predict
+            out = np.zeros((active.size, self.k_max)), np.zeros(active.size, dtype=np.int64)
+        self._history_cache = (view, out)
+        return out
 
     def _history_options(self, view: RowView, active: np.ndarray, tau: float,
                          value: np.ndarray | None = None) -> _Options:
-        """Each active row's history draft: what of it is worth verifying under threshold `tau`.
-        head_steps() computes them for the round and assign() reuses them (host time is round time).
-        A history draft is fixed before the round, so all of it is known before."""
-        cached = self._history_cache
-        if cached is not None and cached[0] is view and cached[1] == tau:
-            return cached[2]
-        if self.use_history and any(view.history_tokens):
-            options = self._history_drafts(view, active, tau, value)
-        else:                                  # no row has a history draft: nothing to predict
-            options = _Options.none(active.size, self.k_max)
-        self._history_cache = (view, tau, options)
-        return options
+        """Each active row's history draft: what of it is worth verifying under threshold `tau`."""
+        acc, lengths = self._history_acceptance(view, active)
+        return _Options.of(acc, lengths, tau, value)
 
-    def _history_drafts(self, view: RowView, active: np.ndarray, tau: float, value: np.ndarray | None) -> _Options:
-        """_history_options for a round where some rows have a history draft."""
+    def _history_drafts(self, view: RowView, active: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """_history_acceptance for a round where some rows have a history draft."""
         A, k = active.size, self.k_max
         lengths = np.zeros(A, dtype=np.int64)
         cond = np.zeros((A, k))
@@ -267,7 +278,7 @@ class DraftChooser:
         if has.any():
             acc[has] = self.predictor.predict_rows(HISTORY, cond[has], view.entropy[active[has]],
                                                    view.history_match[active[has]])
-        return _Options.of(np.where(np.arange(k) < lengths[:, None], acc, 0.0), lengths, tau, value)
+        return np.where(np.arange(k) < lengths[:, None], acc, 0.0), lengths
 
     def _heads_levels(self, h: int) -> np.ndarray:
         """The heads' (source, position) levels for positions 1..h: the same for every row of a round."""
