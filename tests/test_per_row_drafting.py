@@ -162,6 +162,9 @@ def test_temperature_zero_drafts_for_the_row_holding_the_call_back_equal_plain_d
     # rounds of two or more rows where one of them is valued above the rest (finished rows are valued 0)
     one_behind = [n for v, n in values if v is not None and len(v) > 1 and 0 < np.sort(v[:, 0])[-2] < v[:, 0].max()]
     assert one_behind and sum(int(n.sum()) for n in one_behind) > 0
+    values.clear()                          # rows that can stop on a stop token: valued alike, as in RL calls
+    engine.generate(MIXED_PROMPTS, replace(base, num_draft_tokens=3, ignore_eos=False, stop_token_ids=[5]))
+    assert values and all(v is None for v, _ in values)
 
 
 @pytest.mark.parametrize("attention", sorted(ATTENTION))
