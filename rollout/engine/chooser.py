@@ -242,29 +242,21 @@ class DraftChooser:
         within = np.arange(k)[None] < lead[:, None]                                     # [R, k]; 0 past the rows behind
         return (b + share * within) * (active.size / plain)
 
-    def _history_acceptance(self, view: RowView, active: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Each active row's history draft: the predicted conditional acceptance of each of its tokens
-        [R, k] (0 past them) and their number [R]. Computed once per round (row_values, head_steps()
-        and assign() read it; host time is round time). A history draft is fixed before the round, so
-        all of it is known before."""
-        cached = self._history_cache
-        if cached is not None and cached[0] is view:
-            return cached[1]
-        if self.use_history and any(view.history_tokens):
-            out = self._history_drafts(view, active)
-        else:                                  # no row has a history draft: nothing to predict
-            out = np.zeros((active.size, self.k_max)), np.zeros(active.size, dtype=np.int64)
-        self._history_cache = (view, out)
-        return out
-
     def _history_options(self, view: RowView, active: np.ndarray, tau: float,
                          value: np.ndarray | None = None) -> _Options:
-        """Each active row's history draft: what of it is worth verifying under threshold `tau`."""
-        acc, lengths = self._history_acceptance(view, active)
-        return _Options.of(acc, lengths, tau, value)
+        """Each active row's history draft: what of it is worth verifying under threshold `tau`. The
+        drafts' predicted acceptance is computed once per round (head_steps() and assign() both read it;
+        host time is round time). A history draft is fixed before the round, so all of it is known before."""
+        if not (self.use_history and any(view.history_tokens)):   # no row has a history draft: nothing to predict
+            return _Options.none(active.size, self.k_max)
+        cached = self._history_cache
+        if cached is None or cached[0] is not view:
+            cached = self._history_cache = (view, self._history_drafts(view, active))
+        return _Options.of(*cached[1], tau, value)
 
     def _history_drafts(self, view: RowView, active: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """_history_acceptance for a round where some rows have a history draft."""
+        """[R, k] the predicted conditional acceptance of each active row's history draft tokens (0 past
+        them) and [R] their number, for a round where some rows have a history draft."""
         A, k = active.size, self.k_max
         lengths = np.zeros(A, dtype=np.int64)
         cond = np.zeros((A, k))
@@ -387,8 +379,9 @@ class DraftChooser:
             before = _Options.of(known, drafted, tau, worth)
         plan, by_heads, by_history = self._plan(B, view, active, head_steps, head_feature, hist, heads.acceptance,
                                                 heads.count, before.expected)
-        value_of_rows = None if worth is None else np.zeros((B, k))  # [B, k] for _keep_within and settle
+        value_of_rows = None                                          # [B, k] for _keep_within and settle
         if worth is not None:
+            value_of_rows = np.zeros((B, k))
             value_of_rows[active] = worth
         plan.value = value_of_rows
         wanted = before.wanted[by_heads].sum(0) + hist.wanted[by_history].sum(0)
