@@ -377,6 +377,7 @@ def _train(cfg: RunConfig, policy: Policy, heads: MTPHeads | Eagle3Heads | None,
                        "rollout_s": batch.wall_time_s, "rollout_tokens": batch.num_tokens,
                        "rollout_plain_estimate_s": json_safe(batch.plain_estimate_s),   # nan -> null
                        "rollout_history": batch.history_sizes,
+                       "rollout_speculation_paused": batch.speculation_paused,
                        "policy_version": step + 1}
                 log.write(json.dumps(row) + "\n")
                 log.flush()
@@ -420,6 +421,10 @@ def rollout_speed(rows: list[dict]) -> str:
         over = "" if len(known) == len(rows) else f" over the {len(known)} of {len(rows)} steps that have an estimate"
         line += (f"; the engine estimates plain decoding at {plain:.0f}s{over}: speculation {plain / timed:.2f}x "
                  "(from its own round timings: docs/rl-job.md says how far to trust it)")
+    paused = sum(bool(r.get("rollout_speculation_paused")) for r in rows)
+    if paused:
+        line += (f"\nspeculation paused in {paused} of {len(rows)} steps: their batch size's speculating calls had "
+                 "cost more than plain decoding (accelerator.workers.plain_when_slower)")
     history = rows[-1].get("rollout_history") if rows else None
     if history:
         line += (f"\nrollout history: {history['tokens']} tokens of {history['responses']} responses to "

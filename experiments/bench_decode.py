@@ -67,6 +67,8 @@ class BenchDecodeConfig:
                                            # stop at EOS as in the RL job (lengths differ between settings)
     repeats: int = 3                       # interleaved repeats, each on its own prompts; medians are reported
     history_epochs: int = 1                # untimed passes over the measured prompts first (earlier epochs)
+    plain_when_slower: bool = True         # the engine's gate (EngineConfig): false makes every call of the chosen
+                                           # settings speculate (a study of the chooser itself)
     tasks: TaskConfig = field(default_factory=lambda: TaskConfig(num_prompts=64, heldout_prompts=0))
     dtype: str = "auto"                    # float32 | bfloat16 | auto (hardware's best)
     compile: bool | None = None            # torch.compile the forwards; None = the engine's choice (GPUs compiled,
@@ -128,6 +130,7 @@ def run_ours(engine: TorchEngine, prompts: list[list[int]], sampling: SamplingPa
                 share={src: n / max(batch.num_tokens, 1) for src, n in accepted.items()},
                 mean_drafts=stats.num_draft_tokens / drafted_rows if drafted_rows else 0.0,
                 speedup_estimate=batch.plain_estimate_s / batch.wall_time_s,   # the engine's own (nan: none)
+                paused=batch.speculation_paused,
                 margin=engine.chooser.margin.get(len(prompts), 1.0) if engine.chooser is not None else 1.0,
                 phase_ms={p: 1e3 * engine.times.seconds.get(p, 0.0) / rounds for p in PHASES})
 
@@ -150,7 +153,7 @@ def workload(cfg: BenchDecodeConfig, encode) -> dict[int, list[list[list[int]]]]
 
 def bench(policy, heads, cfg: BenchDecodeConfig, batches: dict[int, list], label: str) -> list[dict]:
     engines = {name: make_engine(policy, heads if name != "plain" else None, compile=cfg.compile,
-                                 **SETTINGS[name]) for name in cfg.settings}
+                                 plain_when_slower=cfg.plain_when_slower, **SETTINGS[name]) for name in cfg.settings}
     rows = []
     for B, repeats in batches.items():
         sps = {name: SamplingParams(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
@@ -174,6 +177,7 @@ def bench(policy, heads, cfg: BenchDecodeConfig, batches: dict[int, list], label
                        ratio_to_plain=statistics.median(ratios), all_ratios=ratios,
                        pooled_ratio=pooled_tok_s(rs) / pooled_tok_s(runs["plain"]),
                        speedup_estimate=med("speedup_estimate"), margin=med("margin"),
+                       paused=sum(x["paused"] for x in rs),
                        acceptance=med("acceptance") if name != "plain" else None,
                        tokens_per_round=med("tokens_per_round"), tokens_per_row=med("tokens") / B,
                        mean_drafts=med("mean_drafts"),
@@ -183,7 +187,7 @@ def bench(policy, heads, cfg: BenchDecodeConfig, batches: dict[int, list], label
             rows.append(row)
             ph = " ".join(f"{p} {v:.1f}" for p, v in row["phase_ms"].items())
             print(f"{label:<10} T={cfg.temperature} B={B:<2} {name:<8} {row['tok_s']:7.1f} tok/s  x{row['ratio_to_plain']:.3f}"
-                  f"  [{min(row['all_ratios']):.2f}-{max(row['all_ratios']):.2f}] pooled x{row['pooled_ratio']:.3f} (engine's estimate x{row['speedup_estimate']:.3f}, margin {row['margin']:.2f})"
+                  f"  [{min(row['all_ratios']):.2f}-{max(row['all_ratios']):.2f}] pooled x{row['pooled_ratio']:.3f} (engine's estimate x{row['speedup_estimate']:.3f}, margin {row['margin']:.2f}, plain calls {row['paused']}/{len(rs)})"
                   f"  acc {row['acceptance'] if row['acceptance'] is not None else float('nan'):.3f}"
                   f"  tok/row {row['tokens_per_row']:.0f}  tok/round/row {row['tokens_per_round']:.2f}  drafts/row-round {row['mean_drafts']:.2f}"
                   f"  share heads {row['share']['heads']:.2f} history {row['share']['history']:.2f}  ms/round: {ph}",
@@ -211,15 +215,17 @@ def append_log(path: str, argv: list[str], heads_desc: str, rows: list[dict]) ->
              f"Command: `python -m experiments.bench_decode {' '.join(argv)}`  ",
              f"Machine: {machine()}  ", f"Heads: {heads_desc}\n",
              "| engine | T | batch | setting | tok/s | x plain (range) | pooled x plain | tokens per row | acceptance | "
-             "drafts per row-round | token share heads / history | draft / verify / accept / commit ms per round |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "drafts per row-round | token share heads / history | draft / verify / accept / commit ms per round | "
+             "calls run plain (plain_when_slower) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         acc = f"{r['acceptance']:.3f}" if r["acceptance"] is not None else "-"
         ph = " / ".join(f"{v:.1f}" for v in r["phase_ms"].values())
         lines.append(f"| {r['engine']} | {r['temperature']} | {r['batch']} | {r['setting']} | {r['tok_s']:.1f} | "
                      f"{r['ratio_to_plain']:.3f} ({min(r['all_ratios']):.2f}-{max(r['all_ratios']):.2f}) | {r['pooled_ratio']:.3f} | "
                      f"{r['tokens_per_row']:.0f} | {acc} | "
-                     f"{r['mean_drafts']:.2f} | {r['share']['heads']:.2f} / {r['share']['history']:.2f} | {ph} |")
+                     f"{r['mean_drafts']:.2f} | {r['share']['heads']:.2f} / {r['share']['history']:.2f} | {ph} | "
+                     f"{r['paused']} of {len(r['all_ratios'])} |")
     with open(path, "a") as f:
         f.write("\n".join(lines) + "\n")
 

@@ -158,11 +158,13 @@ def cell_overrides(objective: str, mode: str, heads_path: Path | str) -> list[st
 
 PLAIN_OVERRIDES = ["heads=init", "sampling.num_draft_tokens=0", "accelerator.cotrainer.enabled=false"]
 HISTORY = "history"
-SOURCE_OVERRIDES = {     # draft source -> the RL run's overrides (on top of the cell's heads, mode and loss)
+SOURCE_OVERRIDES = {     # draft source -> the RL run's overrides (on top of the cell's heads, mode and loss); the
+    # chosen cells speculate in every call (no plain_when_slower pauses): their slopes need every step's drafts
     "heads": ["accelerator.workers.draft_lengths=fixed"],
-    "chosen": ["accelerator.workers.draft_lengths=chosen", "accelerator.workers.draft_sources=[heads,history]"],
+    "chosen": ["accelerator.workers.draft_lengths=chosen", "accelerator.workers.draft_sources=[heads,history]",
+               "accelerator.workers.plain_when_slower=false"],
     HISTORY: ["heads=init", "accelerator.workers.draft_lengths=chosen", "accelerator.workers.draft_sources=[history]",
-              "accelerator.cotrainer.enabled=false"],
+              "accelerator.workers.plain_when_slower=false", "accelerator.cotrainer.enabled=false"],
 }
 
 

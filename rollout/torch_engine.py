@@ -8,7 +8,8 @@ each row chooses per round where its drafts come from (MTP heads, tokens copied 
 history, or none) and how many, by predicted acceptance against the round's modelled cost
 (rollout.engine.chooser); `EngineConfig(draft_lengths="fixed")` drafts k head tokens for every
 row instead. The predictor, the cost model and the history live with the engine across
-generate() calls. Every random draw is keyed on (seed, the row's index in the prompt list,
+generate() calls, and so does the gate that runs a batch size's calls plain where speculating them
+recently cost more than plain decoding would have (rollout.engine.call_gate). Every random draw is keyed on (seed, the row's index in the prompt list,
 position) (rollout.verify.KeyedDraws), so a row's tokens do not depend on its batch-mates. Caches
 are static (one per batch bucket and length), forwards are optionally compiled
 (rollout.engine.forwards).
@@ -17,12 +18,14 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import replace
 
 import numpy as np
 import torch
 
 from mtp_heads.eagle3 import layer_outputs
 from mtp_heads.heads import MTPHeads
+from rollout.engine.call_gate import CallGate
 from rollout.engine.chooser import DraftChooser, RowView, call_lead
 from rollout.engine.history import RolloutHistory
 from rollout.engine.config import EngineConfig, bucket
@@ -55,6 +58,7 @@ class TorchEngine:
         self._caches: dict[tuple[int, int], Cache] = {}   # (batch bucket, length) -> static target cache
         self.chooser: DraftChooser | None = None       # per-row drafting decisions, kept across calls
         self.history: RolloutHistory | None = None     # earlier rollouts to draft from, kept across calls
+        self.gate = CallGate()                         # which batch sizes' calls run plain, kept across calls
         self.times = PhaseTimes(enabled=self.config.profile)  # of the last generate() call
         if heads is not None:
             self.set_heads(heads, head_version)
@@ -75,6 +79,7 @@ class TorchEngine:
         self.head_version = version
         if self.chooser is not None:
             self.chooser.heads_changed()
+        self.gate.heads_changed()
 
     def update_policy(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
         load_policy_update(self.policy, state_dict)
@@ -105,6 +110,11 @@ class TorchEngine:
         cfg = self.policy.config
         validate_request(prompts, sampling, vocab_size=cfg.vocab_size, context_length=cfg.max_position_embeddings,
                          has_heads=self._can_draft())
+        call_bucket = bucket(len(prompts), self.config.batch_buckets)
+        paused = (sampling.num_draft_tokens > 0 and self.config.draft_lengths == "chosen"
+                  and self.config.plain_when_slower and not self.gate.speculates(call_bucket))
+        if paused:
+            sampling = replace(sampling, num_draft_tokens=0)
         clock = cost_clock(self._device)
         t0, cost0 = time.perf_counter(), clock()
         compile_before = self.forwards.compile_time_s
@@ -161,11 +171,15 @@ class TorchEngine:
                 history.end_call()
         results.save(st)
         batch = completions_mod.build(prompts, results, records, sampling, self.policy_version, self.head_version)
+        if paused:       # later calls still draft from what this one generated
+            self.remember([(p, c.tokens, self.policy_version) for p, c in zip(prompts, batch.completions)])
+            history = self.history
         if history is not None:
             batch.history_sizes = {k: v for k, v in history.stats().items() if k != "backend"}
         batch.wall_time_s = time.perf_counter() - t0
         call_cost = clock() - cost0
         batch.compile_time_s = self.forwards.compile_time_s - compile_before
+        batch.speculation_paused = paused
         if k_max == 0:
             batch.plain_estimate_s = batch.wall_time_s
         elif chooser is not None and call_cost > 0:
@@ -177,6 +191,7 @@ class TorchEngine:
             plain_cost = prefill_cost + chooser.costs.plain_decode_seconds(lengths, self.config.batch_buckets,
                                                                            context, packed=self._packs(st))
             batch.plain_estimate_s = batch.wall_time_s * plain_cost / call_cost
+            self.gate.record(call_bucket, plain_cost, call_cost)
         return batch
 
     def _row_view(self, st: DecodeState, history: RolloutHistory | None, handles: list[int] | None,

@@ -219,6 +219,9 @@ class RolloutBatch:
     # what the engine's rollout history holds after the call (RolloutHistory.stats: prompts, responses,
     # tokens, memory_bytes, ...; summed over workers); None where no history is kept
     history_sizes: dict[str, int] | None = None
+    # the engine ran the call plain although it asked for drafts: speculating calls of its batch size had
+    # recently cost more than plain decoding (torch engine, rollout.engine.call_gate); across workers: any
+    speculation_paused: bool = False
 
     @property
     def nonfinite_draft_rounds(self) -> int:

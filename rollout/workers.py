@@ -43,7 +43,8 @@ def _torch_engine(policy: "CausalLM", heads: "MTPHeads | Eagle3Heads | None", po
 
     return TorchEngine(policy, heads, policy_version=policy_version, head_version=head_version,
                        config=EngineConfig(draft_lengths=config.draft_lengths,
-                                           draft_sources=tuple(config.draft_sources)))
+                                           draft_sources=tuple(config.draft_sources),
+                                           plain_when_slower=config.plain_when_slower))
 
 
 def _vllm_engine(policy: "CausalLM", heads: "MTPHeads | Eagle3Heads | None", policy_version: int,
@@ -110,6 +111,9 @@ class WorkerConfig:
     draft_lengths: str = "chosen"       # torch engine, k > 0: chosen = each row, each round, drafts 0..k tokens from
                                         # the source predicted to pay most; fixed = k head tokens for every row (studies)
     draft_sources: tuple[str, ...] = ("heads", "history")   # what `chosen` drafts from
+    plain_when_slower: bool = True      # `chosen`: calls of a batch size whose speculating calls recently cost more
+                                        # than plain decoding run plain, re-checked now and then (EngineConfig);
+                                        # false for studies that need every call to draft
     vllm_draft_method: str = "heads"    # vLLM engine: heads (the run's drafter: MTP heads, or an EAGLE-3 drafter by
                                         # vLLM's eagle3 method), ngram or suffix (one method per engine, docs/vllm.md)
 

@@ -23,7 +23,7 @@ def fake_runs(monkeypatch):
         calls.append((engine.name, sampling))
         tokens, seconds = results[engine.name][sum(1 for n, _ in calls if n == engine.name) - 1]
         return dict(tok_s=tokens / seconds, tokens=tokens, decode_s=seconds, acceptance=0.5, tokens_per_round=1.0,
-                    mean_drafts=1.0, speedup_estimate=1.0, margin=1.0, share={"heads": 0.0, "history": 0.0},
+                    mean_drafts=1.0, speedup_estimate=1.0, margin=1.0, paused=False, share={"heads": 0.0, "history": 0.0},
                     phase_ms={p: 0.0 for p in bd.PHASES})
 
     monkeypatch.setattr(bd, "make_engine", make_engine)

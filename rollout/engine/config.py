@@ -34,6 +34,10 @@ class EngineConfig:
     # memory bound, ~480 bytes a token with arctic (docs/engine.md, "History backends")
     history_max_tokens: int = 4_000_000
     probe_every: int = 16               # "chosen": heads unverified this many rounds are verified once anyway
+    # "chosen": a batch size whose recent speculating calls cost more than the engine's estimate of plain
+    # decoding runs its next calls plain, re-checked now and then (rollout.engine.call_gate). Off for
+    # studies that need every call to draft (acceptance, slopes).
+    plain_when_slower: bool = True
     profile: bool = False               # time draft/verify/accept/commit per round (syncs on GPU)
 
     def __post_init__(self):

@@ -145,6 +145,7 @@ class AcceptanceMonitor:
                         for d, cs in by_domain(comps).items()},
             "drafting": drafting,
             "history_sizes": batch.history_sizes,
+            "speculation_paused": batch.speculation_paused,
             "slope_by_source": self._source_slopes(pts, step, list(calibration)),
         }
         rec["alerts"] = self._check_alerts(rec)

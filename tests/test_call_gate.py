@@ -1,0 +1,114 @@
+"""The call gate: batch sizes whose speculating calls cost more than plain decoding run plain, re-checked
+now and then; a paused call is plain decoding (its tokens, its speed) and still feeds the rollout history."""
+from dataclasses import replace
+
+import pytest
+
+from rollout.engine.call_gate import FIRST_SKIP, MAX_SKIP, MIN_CALLS, CallGate
+from rollout.engine.config import EngineConfig
+from rollout.torch_engine import TorchEngine
+from rollout.types import SamplingParams
+from tests.lossless import MIXED_PROMPTS
+
+
+def plain_stretch(gate: CallGate, bucket: int) -> int:
+    """How many calls of `bucket` run plain before the next one speculates."""
+    n = 0
+    while not gate.speculates(bucket):
+        n += 1
+    return n
+
+
+def test_a_bucket_is_gated_after_its_priced_calls_lose_and_its_stretches_double_while_rechecks_lose():
+    gate = CallGate()
+    gate.record(16, plain_seconds=1.0, seconds=1.2)
+    assert MIN_CALLS == 2 and plain_stretch(gate, 16) == 0          # one priced call decides nothing
+    gate.record(16, 1.0, 1.2)
+    assert gate.ratio(16) < 1 and plain_stretch(gate, 16) == FIRST_SKIP
+    stretches = []
+    for _ in range(6):                                               # every re-check loses again
+        gate.record(16, 1.0, 1.2)
+        stretches.append(plain_stretch(gate, 16))
+    assert stretches == [min(FIRST_SKIP * 2 ** i, MAX_SKIP) for i in range(1, 7)]
+    assert plain_stretch(gate, 8) == 0                               # buckets are judged apart
+
+
+def test_a_recheck_that_pays_ends_the_pause_and_the_next_loss_starts_short_again():
+    gate = CallGate()
+    for _ in range(4):
+        gate.record(16, 1.0, 1.2)
+        plain_stretch(gate, 16)
+    gate.record(16, 3.0, 1.0)                                        # speculation paid, clearly
+    assert gate.ratio(16) > 1 and plain_stretch(gate, 16) == 0
+    gate.record(16, 1.0, 2.0)
+    assert plain_stretch(gate, 16) == FIRST_SKIP
+
+
+def test_unpriced_calls_are_ignored_and_new_heads_end_every_pause():
+    gate = CallGate()
+    gate.record(4, float("nan"), 1.0)
+    gate.record(4, 0.0, 1.0)
+    assert gate.ratio(4) != gate.ratio(4)                            # nan: nothing priced
+    gate.record(4, 1.0, 2.0)
+    gate.record(4, 1.0, 2.0)
+    gate.heads_changed()
+    assert plain_stretch(gate, 4) == 0
+    gate.record(4, 1.0, 2.0)
+    assert plain_stretch(gate, 4) == 0                               # judged afresh: MIN_CALLS again
+
+
+def losing(engine: TorchEngine, bucket: int) -> None:
+    """The engine's gate as after speculating calls of `bucket` that cost twice plain decoding's price."""
+    for _ in range(MIN_CALLS):
+        engine.gate.record(bucket, 1.0, 2.0)
+
+
+def test_a_paused_call_is_plain_decoding_and_its_tokens_still_reach_the_history(tiny_policy, tiny_heads):
+    sp = SamplingParams(max_new_tokens=24, temperature=1.0, ignore_eos=True, num_draft_tokens=3, seed=7)
+    plain = TorchEngine(tiny_policy).generate(MIXED_PROMPTS, replace(sp, num_draft_tokens=0))
+    engine = TorchEngine(tiny_policy, tiny_heads)
+    earlier = TorchEngine(tiny_policy).generate(MIXED_PROMPTS, replace(sp, num_draft_tokens=0, seed=1))
+    engine.remember([(p, c.tokens, 0) for p, c in zip(MIXED_PROMPTS, earlier.completions)])   # an earlier epoch
+    losing(engine, len(MIXED_PROMPTS))
+    paused = engine.generate(MIXED_PROMPTS, sp)
+    assert paused.speculation_paused and paused.spec_stats().num_drafts == 0
+    assert [c.tokens for c in paused.completions] == [c.tokens for c in plain.completions]
+    assert paused.plain_estimate_s == paused.wall_time_s
+    assert paused.history_sizes["responses"] == 2 * len(MIXED_PROMPTS)
+    for _ in range(FIRST_SKIP - 1):
+        assert engine.generate(MIXED_PROMPTS, sp).speculation_paused
+    again = engine.generate(MIXED_PROMPTS, sp)                       # the re-check speculates
+    assert not again.speculation_paused and again.spec_stats().num_drafts > 0
+    assert engine.generate([MIXED_PROMPTS[0]], sp).spec_stats().num_drafts > 0   # another bucket: never gated
+
+
+@pytest.mark.parametrize("config", [EngineConfig(plain_when_slower=False), EngineConfig(draft_lengths="fixed")])
+def test_studies_turn_the_gate_off_and_fixed_lengths_ignore_it(tiny_policy, tiny_heads, config):
+    engine = TorchEngine(tiny_policy, tiny_heads, config=config)
+    losing(engine, len(MIXED_PROMPTS))
+    sp = SamplingParams(max_new_tokens=16, temperature=1.0, ignore_eos=True, num_draft_tokens=2, seed=0)
+    out = engine.generate(MIXED_PROMPTS, sp)
+    assert not out.speculation_paused and out.spec_stats().num_drafts > 0
+
+
+def test_new_head_weights_end_a_pause(tiny_policy, tiny_heads):
+    engine = TorchEngine(tiny_policy, tiny_heads)
+    losing(engine, len(MIXED_PROMPTS))
+    engine.update_heads(tiny_heads.state_dict(), version=1)
+    sp = SamplingParams(max_new_tokens=16, temperature=1.0, ignore_eos=True, num_draft_tokens=2, seed=0)
+    assert not engine.generate(MIXED_PROMPTS, sp).speculation_paused
+
+
+def test_paused_steps_reach_the_monitor_and_the_job_summary(tiny_policy, tiny_heads, tmp_path):
+    from experiments.async_rl import rollout_speed
+    from rollout.monitor.monitor import AcceptanceMonitor, MonitorConfig
+
+    engine = TorchEngine(tiny_policy, tiny_heads)
+    losing(engine, len(MIXED_PROMPTS))
+    sp = SamplingParams(max_new_tokens=8, temperature=1.0, ignore_eos=True, num_draft_tokens=2, seed=0)
+    batch = engine.generate(MIXED_PROMPTS, sp)
+    with AcceptanceMonitor(MonitorConfig(str(tmp_path), plots=False, tensorboard=False, n_boot=0)) as mon:
+        assert mon.record_step(0, batch)["speculation_paused"] is True
+    rows = [{"rollout_s": 1.0, "rollout_tokens": 10, "rollout_speculation_paused": paused} for paused in (True, False, True)]
+    assert "speculation paused in 2 of 3 steps" in rollout_speed(rows)
+    assert "paused" not in rollout_speed(rows[1:2])
