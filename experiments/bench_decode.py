@@ -9,7 +9,8 @@ passes over the measured prompts first, so that rollout history holds earlier ep
 RL. Each setting has its own engine (its own history, predictor and cost model) over the same
 weights: `plain` (k = 0), `fixed` (every row drafts k head tokens), `heads`, `history` and `both`
 (each row chooses per round by predicted acceptance from those sources: `both` is the engine's
-default). Within a repeat every setting decodes the same batch, in turn (the order reversed every
+default, which runs a batch size's calls plain where speculating them recently cost more;
+`both_always` speculates in every call). Within a repeat every setting decodes the same batch, in turn (the order reversed every
 other repeat); medians over repeats of tok/s and of the per-repeat ratio to plain are printed with
 acceptance, tokens per round, the share of tokens from each source and the per-round time of draft /
 verify / accept / commit.
@@ -48,6 +49,7 @@ SETTINGS: dict[str, dict] = {
     "heads": dict(draft_sources=("heads",)),
     "history": dict(draft_sources=("history",)),
     "both": dict(draft_sources=("heads", "history")),
+    "both_always": dict(draft_sources=("heads", "history"), plain_when_slower=False),   # no call runs plain
 }
 
 
@@ -153,7 +155,8 @@ def workload(cfg: BenchDecodeConfig, encode) -> dict[int, list[list[list[int]]]]
 
 def bench(policy, heads, cfg: BenchDecodeConfig, batches: dict[int, list], label: str) -> list[dict]:
     engines = {name: make_engine(policy, heads if name != "plain" else None, compile=cfg.compile,
-                                 plain_when_slower=cfg.plain_when_slower, **SETTINGS[name]) for name in cfg.settings}
+                                 **{"plain_when_slower": cfg.plain_when_slower, **SETTINGS[name]})
+               for name in cfg.settings}
     rows = []
     for B, repeats in batches.items():
         sps = {name: SamplingParams(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,

@@ -123,9 +123,9 @@ class TorchEngine:
         chooser = self._chooser(k_max) if k_max > 0 and self.config.draft_lengths == "chosen" else None
         history = self._history() if chooser is not None and chooser.use_history else None
         ctx, st, results = self._prefill(prompts, sampling, heads_needed=chooser is None or chooser.use_heads)
+        plain_prefill_cost = clock() - cost0 - ctx.head_prefill_seconds     # what plain decoding's prefill costs
         can_stop = bool((ctx.stop_ids >= 0).any())         # else every row runs to max_new_tokens
         handles = history.begin_call(prompts, self.policy_version) if history is not None else None
-        prefill_cost = clock() - cost0
         records: list[RoundResult] = []
         n_active = len(prompts)
         try:
@@ -188,7 +188,7 @@ class TorchEngine:
             # token is every row's; the rest take rounds.
             lengths = [max(0, len(c.tokens) - 1) for c in batch.completions]
             context = float(np.mean([len(p) + n / 2 for p, n in zip(prompts, lengths)]))
-            plain_cost = prefill_cost + chooser.costs.plain_decode_seconds(lengths, self.config.batch_buckets,
+            plain_cost = plain_prefill_cost + chooser.costs.plain_decode_seconds(lengths, self.config.batch_buckets,
                                                                            context, packed=self._packs(st))
             batch.plain_estimate_s = batch.wall_time_s * plain_cost / call_cost
             self.gate.record(call_bucket, plain_cost, call_cost)
@@ -291,7 +291,9 @@ class TorchEngine:
             st.heads = self._head_caches(B, L)
             st.head_len = [torch.zeros(B, dtype=torch.long, device=dev) for _ in st.heads]
             st.head_hidden = [torch.zeros_like(hidden) for _ in st.heads]
+            t_heads = ctx.clock()
             fill_head_caches(self.heads, self.policy, st, prompt_aux)
+            ctx.head_prefill_seconds = ctx.clock() - t_heads
         results = Results(B0, L, d, sp.return_hidden_states, dtype, dev)
         return ctx, st, results
 

@@ -71,6 +71,7 @@ class RoundContext:
     k_max: int = 0                    # the most drafts a row may verify in one round
     draft_keys: KeyedDraws | None = None   # draws of the head token being drafted (set by draft())
     clock: Callable[[], float] = time.perf_counter   # the cost model's clock (round_cost.cost_clock)
+    head_prefill_seconds: float = 0.0  # of the prefill, filling the heads' caches (on clock): not plain decoding's
 
 
 @dataclass
