@@ -4,12 +4,11 @@ speculates again to re-check.
 
 The chooser (rollout.engine.chooser) decides round by round on what a round costs. A call also pays
 for speculating outside its rounds (the heads' caches at prefill, the history lookups and what the
-chooser learns between rounds), and rounds that only break even then make the call a loss: on 2 CPU
-cores, calls of 16 rows stopping at EOS at T = 1 ran at 0.95x of plain decoding, and the main job's
-rollouts at 0.93x (experiments/LOG.md, 2026-12-07). The engine prices each speculating call's plain
-decoding on its own timed plain rounds (`RolloutBatch.plain_estimate_s`, within 1% of plain runs of the
-same tokens there); this gate reads those prices. vLLM's `speculative_disable_by_batch_size` answers the
-same loss with a fixed batch size; here the measured cost decides, per batch bucket.
+chooser learns between rounds), and rounds that only break even then make the call a loss (measured:
+docs/performance.md, "Calls that speculation would slow down run plain"). The engine prices each
+speculating call's plain decoding on its own timed plain rounds (`RolloutBatch.plain_estimate_s`); this
+gate reads those prices. vLLM's `speculative_disable_by_batch_size` answers the same loss with a fixed
+batch size; here the measured cost decides, per batch bucket.
 
 A bucket is gated once MIN_CALLS of its speculating calls have been priced and their recent cost
 (decayed by DECAY per call) exceeds their plain price: its next `skip` calls run plain (no head
