@@ -51,10 +51,12 @@ def test_unpriced_calls_are_ignored_and_new_heads_end_every_pause():
     assert gate.ratio(4) != gate.ratio(4)                            # nan: nothing priced
     gate.record(4, 1.0, 2.0)
     gate.record(4, 1.0, 2.0)
+    assert plain_stretch(gate, 4) == FIRST_SKIP
+    gate.record(4, 1.0, 2.0)                                         # the re-check loses: a longer stretch is due...
     gate.heads_changed()
-    assert plain_stretch(gate, 4) == 0
+    assert plain_stretch(gate, 4) == 0                               # ...but new heads are re-checked at once
     gate.record(4, 1.0, 2.0)
-    assert plain_stretch(gate, 4) == 0                               # judged afresh: MIN_CALLS again
+    assert plain_stretch(gate, 4) == FIRST_SKIP                      # and a loss pauses again, short
 
 
 def losing(engine: TorchEngine, bucket: int) -> None:

@@ -14,7 +14,9 @@ A bucket is gated once MIN_CALLS of its speculating calls have been priced and t
 (decayed by DECAY per call) exceeds their plain price: its next `skip` calls run plain (no head
 caches, no chooser; their completions still enter the rollout history), with `skip` starting at
 FIRST_SKIP and doubling, up to MAX_SKIP, while the re-checking calls between stretches lose too; a
-re-check that pays resets it, and so do new head weights (`heads_changed`). Decided on earlier calls'
+re-check that pays resets it. New head weights (`heads_changed`) end a stretch: the next call re-checks
+at once, judged with the calls before it (an RL run's co-trainer refreshes the heads every few steps,
+and judging each refresh afresh took MIN_CALLS losing calls each time). Decided on earlier calls'
 timing only, before the call starts, so the tokens keep their distribution (lossless).
 """
 from __future__ import annotations
@@ -60,7 +62,6 @@ class CallGate:
         return plain / spent if spent > 0 else float("nan")
 
     def heads_changed(self) -> None:
-        """New head weights: speculate again at once, judged afresh."""
-        self._priced.clear()
+        """New head weights: the next call of every bucket speculates (a re-check), stretches start short."""
         self._skip.clear()
         self._left.clear()
