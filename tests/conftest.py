@@ -54,6 +54,19 @@ def random_heads(policy, num_depths: int, seed: int = 0) -> MTPHeads:
     return MTPHeads(policy.config, num_depths)
 
 
+@pytest.fixture(autouse=True)
+def every_call_speculates(request, monkeypatch):
+    """The engine's call gate (rollout.engine.call_gate) runs a batch size's calls plain once speculating
+    them has cost more, by measured time: on tiny models it does, at calls that depend on the machine.
+    In this process every call speculates, so that decoding tests see the drafts they assert on;
+    tests/test_call_gate.py tests the gate itself, and the Ray and job tests that assert drafting in
+    every step turn it off in their configs (`plain_when_slower`)."""
+    if request.module.__name__.endswith("test_call_gate"):
+        return
+    from rollout.engine.call_gate import CallGate
+    monkeypatch.setattr(CallGate, "speculates", lambda self, bucket: True)
+
+
 @pytest.fixture(autouse=True, scope="module")
 def one_thread():
     """Tiny models gain nothing from a second thread, and on 2 shared cores OpenMP barrier waits

@@ -50,8 +50,8 @@ def make_cfg(tmp_path, workers=None, **cotrainer) -> AcceleratorConfig:
     ct = dict(steps_per_refresh=3, batch_tokens=128, replay_capacity=16, lr=3e-3,
               checkpoint_dir=str(tmp_path / "ckpt"))
     ct.update(cotrainer)
-    return AcceleratorConfig(
-        workers=workers or WorkerConfig(num_workers=1, num_cpus_per_worker=1),
+    return AcceleratorConfig(   # every call drafts: these tests read acceptance (the gate would pause the tiny model)
+        workers=workers or WorkerConfig(num_workers=1, num_cpus_per_worker=1, plain_when_slower=False),
         cotrainer=CoTrainerConfig(**ct),
         monitor=MonitorConfig(out_dir=str(tmp_path / "monitor"), n_boot=20, tensorboard=False, plot_every=0,
                               plots=False),
@@ -271,6 +271,7 @@ def test_loop_versions_entropy_refresh_and_lossless_heads(local_ray, models, tmp
         assert [c.tokens for c in after.completions] == [c.tokens for c in before.completions]
         assert {c.head_version for c in before.completions} == {1}
         assert {c.head_version for c in after.completions} == {7}
+        assert not (before.speculation_paused or after.speculation_paused)
         assert before.spec_stats().acceptance_rate != after.spec_stats().acceptance_rate
     finally:
         accel.shutdown()

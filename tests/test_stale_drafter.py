@@ -73,11 +73,9 @@ def run_sync(tmp_path, at_sync: str, draft_lengths: str = "fixed") -> tuple[list
     policy_b, sigma_b = permutation_policy(1)
     a_weights = {k: v.clone() for k, v in policy_a.state_dict().items()}
     # heads only: history (this policy's rollouts repeat exactly) would take rows from the heads at
-    # moments that depend on measured round times, and the test is about the heads' drafts; every call
-    # drafts (on this tiny model speculating costs more than plain decoding, and the engine would pause it)
+    # moments that depend on measured round times, and the test is about the heads' drafts
     engine = TorchEngine(policy_a, init_heads(policy_a, 2),
-                         config=EngineConfig(draft_lengths=draft_lengths, draft_sources=("heads",),
-                                             plain_when_slower=False))
+                         config=EngineConfig(draft_lengths=draft_lengths, draft_sources=("heads",)))
     mon = AcceptanceMonitor(config(tmp_path))
     for step in range(6):
         if step == 4 and at_sync in ("nothing", "refresh"):
