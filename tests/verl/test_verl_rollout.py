@@ -69,7 +69,8 @@ def verl_config(hf, out_dir):
     with open_dict(r):    # `custom` is verl's free extension key, absent from its YAML: `+...custom.mtp_rollout...`
         r.custom = {NAME: {"out_dir": str(out_dir), "num_draft_tokens": NUM_DRAFT, "seed": 0, "accelerator": {
             "heads": "init", "num_depths": NUM_DRAFT,     # our MTP heads, freshly initialised on the policy
-            "workers": {"num_workers": 1, "num_cpus_per_worker": 1},
+            # every call drafts: the tests read acceptance, and on this tiny model the engine would run calls plain
+            "workers": {"num_workers": 1, "num_cpus_per_worker": 1, "plain_when_slower": False},
             "cotrainer": {"steps_per_refresh": 2, "batch_tokens": 64, "replay_capacity": 16},
             "monitor": {"n_boot": 10, "tensorboard": False, "plot_every": 0, "plots": False}}}}
     return config
