@@ -9,8 +9,9 @@ history, or none) and how many, by predicted acceptance against the round's mode
 (rollout.engine.chooser); `EngineConfig(draft_lengths="fixed")` drafts k head tokens for every
 row instead. The predictor, the cost model and the history live with the engine across
 generate() calls, and so does the gate that runs a batch size's calls plain where speculating them
-recently cost more than plain decoding would have (rollout.engine.call_gate). Every random draw is keyed on (seed, the row's index in the prompt list,
-position) (rollout.verify.KeyedDraws), so a row's tokens do not depend on its batch-mates. Caches
+recently cost more than plain decoding would have (rollout.engine.call_gate). Every random draw is
+keyed on (seed, the row's index in the prompt list, position) (rollout.verify.KeyedDraws), so a row's
+tokens do not depend on its batch-mates. Caches
 are static (one per batch bucket and length), forwards are optionally compiled
 (rollout.engine.forwards).
 """

@@ -30,10 +30,9 @@ tell badly (their product, with the predictor's estimates shrunk towards its pri
 drafts out and rows that kept together stopped drafting): they are valued as rows alike, b + a /
 active. Rows ahead of them are valued b: they would only finish sooner and wait. Valued alike, rows
 drafting apart finished apart and the call's last rounds ran with few rows, each paying a full round's
-a (experiments/LOG.md, 2026-12-07: a fixed-length call at batch 8 on 2 CPU cores 0.92x of plain before,
-0.98x after; at T = 0.6 0.97x before, 0.91x after). Where rows stop on EOS, which row ends last is not
-known; estimating it from earlier rows' lengths lost 2-6% on such calls, so there every row is valued
-alike (ends_sooner None).
+a (measured in experiments/LOG.md, "What a row's token is worth" in docs/engine.md). Where rows stop on
+EOS, which row ends last is not known; estimating it from earlier rows' lengths lost on such calls (the
+LOG), so there every row is valued alike (ends_sooner None).
 
 Head steps run for the whole batch, so their number h is chosen once per round before drafting, as
 the h whose best budget promises the most tokens per modelled second: at first under the predictor's
