@@ -171,6 +171,9 @@ class TorchEngine:
             if history is not None:
                 history.end_call()
         results.save(st)
+        if paused and self.chooser is not None:     # a plain call: what it cost against the cost model's price
+            self.gate.calibrate(call_bucket, self._plain_price(self.chooser, prompts, results, st),
+                                clock() - cost0 - plain_prefill_cost)
         batch = completions_mod.build(prompts, results, records, sampling, self.policy_version, self.head_version)
         if paused:       # later calls still draft from what this one generated
             self.remember([(p, c.tokens, self.policy_version) for p, c in zip(prompts, batch.completions)])
@@ -185,15 +188,21 @@ class TorchEngine:
             batch.plain_estimate_s = batch.wall_time_s
         elif chooser is not None and call_cost > 0:
             # priced on the cost clock, as the rounds were, then scaled to this call's wall time: the same
-            # share of the machine is assumed for the plain decoding that did not run. The prefill's first
-            # token is every row's; the rest take rounds.
-            lengths = [max(0, len(c.tokens) - 1) for c in batch.completions]
-            context = float(np.mean([len(p) + n / 2 for p, n in zip(prompts, lengths)]))
-            plain_cost = plain_prefill_cost + chooser.costs.plain_decode_seconds(lengths, self.config.batch_buckets,
-                                                                           context, packed=self._packs(st))
+            # share of the machine is assumed for the plain decoding that did not run
+            plain_cost = plain_prefill_cost + (self._plain_price(chooser, prompts, results, st)
+                                               * self.gate.calibration(call_bucket))
             batch.plain_estimate_s = batch.wall_time_s * plain_cost / call_cost
             self.gate.record(call_bucket, plain_cost, call_cost)
         return batch
+
+    def _plain_price(self, chooser: DraftChooser, prompts: list[list[int]], results: Results,
+                     st: DecodeState) -> float:
+        """The cost model's price for decoding this call's rows plain after the prefill (cost-clock
+        seconds; nan where a bucket they pass through was never timed). The prefill's first token is
+        every row's; the rest take rounds. `results` holds every row."""
+        lengths = (results.committed - results.prompt_len - 1).clamp(min=0).tolist()
+        context = float(np.mean([len(p) + n / 2 for p, n in zip(prompts, lengths)]))
+        return chooser.costs.plain_decode_seconds(lengths, self.config.batch_buckets, context, packed=self._packs(st))
 
     def _row_view(self, st: DecodeState, history: RolloutHistory | None, handles: list[int] | None,
                   k_max: int, max_new_tokens: int, can_stop: bool = True) -> RowView:

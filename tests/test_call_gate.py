@@ -4,7 +4,10 @@ from dataclasses import replace
 
 import pytest
 
-from rollout.engine.call_gate import FIRST_SKIP, MAX_SKIP, MIN_CALLS, CallGate
+import math
+
+from rollout.engine.call_gate import (CALIBRATE_BELOW, CALIBRATE_EVERY, DECAY, FIRST_SKIP, MAX_SKIP, MIN_CALLS,
+                                      CallGate)
 from rollout.engine.config import EngineConfig
 from rollout.torch_engine import TorchEngine
 from rollout.types import SamplingParams
@@ -57,6 +60,39 @@ def test_unpriced_calls_are_ignored_and_new_heads_end_every_pause():
     assert plain_stretch(gate, 4) == 0                               # ...but new heads are re-checked at once
     gate.record(4, 1.0, 2.0)
     assert plain_stretch(gate, 4) == FIRST_SKIP                      # and a loss pauses again, short
+
+
+def test_where_speculation_barely_pays_a_plain_call_checks_the_price_now_and_then():
+    gate = CallGate()
+    barely, clearly = 1.0 + (CALIBRATE_BELOW - 1) / 2, CALIBRATE_BELOW + 0.2
+    for _ in range(MIN_CALLS):
+        gate.record(16, barely, 1.0)
+        gate.record(8, clearly, 1.0)
+        assert gate.speculates(8)
+    assert not gate.speculates(16)                       # checked once priced...
+    assert gate.speculates(16)                           # (one call, not a stretch)
+    plain_calls = []
+    for call in range(3 * CALIBRATE_EVERY):              # ...then after every CALIBRATE_EVERY speculating calls
+        gate.record(16, barely, 1.0)
+        gate.record(8, clearly, 1.0)
+        assert gate.speculates(8)                        # clearly paying: no call spent on checking
+        if not gate.speculates(16):
+            plain_calls.append(call)
+            assert gate.speculates(16)
+    assert plain_calls == [CALIBRATE_EVERY - 1, 2 * CALIBRATE_EVERY - 1, 3 * CALIBRATE_EVERY - 1]
+
+
+def test_plain_calls_calibrate_the_price_by_a_decayed_geometric_mean_of_cost_over_price():
+    gate = CallGate()
+    assert gate.calibration(16) == 1.0                   # nothing checked: the model's price as it is
+    gate.calibrate(16, float("nan"), 1.0)
+    gate.calibrate(16, 0.0, 1.0)
+    assert gate.calibration(16) == 1.0
+    gate.calibrate(16, 2.0, 1.0)
+    assert gate.calibration(16) == pytest.approx(0.5)
+    gate.calibrate(16, 1.0, 1.0)
+    expected = math.exp((DECAY * math.log(0.5) + 0.0) / (DECAY + 1.0))
+    assert gate.calibration(16) == pytest.approx(expected) and gate.calibration(8) == 1.0
 
 
 def losing(engine: TorchEngine, bucket: int) -> None:
@@ -114,3 +150,32 @@ def test_paused_steps_reach_the_monitor_and_the_job_summary(tiny_policy, tiny_he
     rows = [{"rollout_s": 1.0, "rollout_tokens": 10, "rollout_speculation_paused": paused} for paused in (True, False, True)]
     assert "speculation paused in 2 of 3 steps" in rollout_speed(rows)
     assert "paused" not in rollout_speed(rows[1:2])
+
+
+def test_a_paused_call_checks_the_cost_models_price_and_later_estimates_carry_the_correction(tiny_policy, tiny_heads,
+                                                                                          monkeypatch):
+    engine = TorchEngine(tiny_policy, tiny_heads)
+    sp = SamplingParams(max_new_tokens=16, temperature=1.0, ignore_eos=True, num_draft_tokens=2, seed=0)
+    engine.generate(MIXED_PROMPTS, sp)                   # the cost model times this bucket's rounds
+    priced, checked = [], []
+    price = engine._plain_price
+    monkeypatch.setattr(engine, "_plain_price", lambda *a: priced.append(price(*a)) or priced[-1])
+    calibrate = engine.gate.calibrate
+    monkeypatch.setattr(engine.gate, "calibrate", lambda *a: checked.append(a) or calibrate(*a))
+    losing(engine, len(MIXED_PROMPTS))
+    paused = engine.generate(MIXED_PROMPTS, sp)
+    assert paused.speculation_paused and len(priced) == 1 and math.isfinite(priced[0]) and priced[0] > 0
+    (bucket, priced_s, spent_s), = checked
+    assert bucket == len(MIXED_PROMPTS) and priced_s == priced[0] and 0 < spent_s <= paused.wall_time_s
+    assert engine.gate.calibration(bucket) == pytest.approx(spent_s / priced_s)
+    # a speculating call's estimate: the prefill as timed plus the model's price times the correction
+    engine.gate = CallGate()
+    engine.gate.calibrate(bucket, 1.0, 1.5)
+    monkeypatch.setattr(engine, "_plain_price", lambda *a: 10.0)
+    recorded = []
+    record = engine.gate.record
+    monkeypatch.setattr(engine.gate, "record", lambda *a: recorded.append(a) or record(*a))
+    out = engine.generate(MIXED_PROMPTS, sp)
+    (_, plain_s, spent_s), = recorded
+    assert not out.speculation_paused and 15.0 < plain_s < 15.0 + spent_s
+    assert out.plain_estimate_s == pytest.approx(out.wall_time_s * plain_s / spent_s)
