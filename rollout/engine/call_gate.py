@@ -21,12 +21,13 @@ timing only, before the call starts, so the tokens keep their distribution (loss
 
 The plain price is the cost model's (rollout.engine.round_cost), and a model of rounds misses what a
 call pays around them: it priced plain calls a few percent above what they cost (experiments/LOG.md,
-"the plain price, checked against plain calls"), enough to keep speculating calls that lost. So the gate checks the price against plain calls of the bucket: each call it runs plain is
-priced by the model too, and the ratio of its cost to that price (a geometric mean, decayed by DECAY
-per such call) scales the bucket's later estimates (`calibration`). Where speculation recently paid by
-less than CALIBRATE_BELOW and no plain call has run for CALIBRATE_EVERY of the bucket's speculating
-calls, the next call runs plain to check (first once MIN_CALLS are priced). Where it paid by more than
-a price's error could hide, no call is spent on checking; where it lost, the stretches' plain calls check.
+"the plain price, checked against plain calls"), enough to keep speculating calls that lost. So the
+gate checks the price against plain calls of the bucket: each call it runs plain is priced by the model
+too, and the ratio of its cost to that price (a geometric mean, decayed by DECAY per such call) scales
+the bucket's later estimates (`calibration`). Where speculation recently paid by less than
+CALIBRATE_BELOW and no plain call has run for CALIBRATE_EVERY of the bucket's speculating calls, the
+next call runs plain to check (first once MIN_CALLS are priced). Where it paid by more than a price's
+error could hide, no call is spent on checking; where it lost, the stretches' plain calls check.
 """
 from __future__ import annotations
 
@@ -37,7 +38,7 @@ DECAY = 0.5          # weight of a bucket's earlier calls per later call
 FIRST_SKIP = 2       # plain calls after the first loss
 MAX_SKIP = 16        # the longest stretch of plain calls between re-checks
 CALIBRATE_EVERY = 8  # speculating calls of a bucket between plain calls that check its plain price...
-CALIBRATE_BELOW = 1.1   # ... while its recent calls' price over cost is below this
+CALIBRATE_BELOW = 1.1  # ... while its recent calls' price over cost is below this
 
 
 class CallGate:
@@ -46,7 +47,8 @@ class CallGate:
         self._skip: dict[int, int] = {}                          # bucket -> length of its next plain stretch
         self._left: dict[int, int] = {}                          # bucket -> plain calls left in the current one
         self._since_plain: dict[int, int] = {}                   # bucket -> speculating calls since its last plain one
-        self._checks: dict[int, tuple[float, float]] = {}        # bucket -> decayed (plain calls, sum of log cost / price)
+        # bucket -> decayed (plain calls, sum of log(cost / price)) of the plain calls that checked the price
+        self._checks: dict[int, tuple[float, float]] = {}
 
     def speculates(self, bucket: int) -> bool:
         """Whether the next call of `bucket` rows may speculate (False: it runs plain, in a stretch or as
