@@ -424,7 +424,8 @@ def rollout_speed(rows: list[dict]) -> str:
     paused = sum(bool(r.get("rollout_speculation_paused")) for r in rows)
     if paused:
         line += (f"\nspeculation paused in {paused} of {len(rows)} steps: their batch size's speculating calls had "
-                 "cost more than plain decoding (accelerator.workers.plain_when_slower)")
+                 "cost more than plain decoding, or paid so little that a plain call checked the engine's estimate "
+                 "(accelerator.workers.plain_when_slower)")
     history = rows[-1].get("rollout_history") if rows else None
     if history:
         line += (f"\nrollout history: {history['tokens']} tokens of {history['responses']} responses to "
