@@ -54,13 +54,18 @@ class CallGate:
         """Whether the next call of `bucket` rows may speculate (False: it runs plain, in a stretch or as
         a check of the plain price)."""
         left = self._left.get(bucket, 0)
-        check_due = (self._priced.get(bucket, (0,))[0] >= MIN_CALLS and 1.0 <= self.ratio(bucket) < CALIBRATE_BELOW
-                     and self._since_plain.get(bucket, CALIBRATE_EVERY) >= CALIBRATE_EVERY)
-        if left > 0 or check_due:
-            self._left[bucket] = max(left - 1, 0)
-            self._since_plain[bucket] = 0
-            return False
-        return True
+        if left > 0:
+            self._left[bucket] = left - 1
+        elif not self._check_due(bucket):
+            return True
+        self._since_plain[bucket] = 0
+        return False
+
+    def _check_due(self, bucket: int) -> bool:
+        """Whether the bucket's next call should run plain to check the plain price: its priced calls
+        barely paid and none of them has run plain for CALIBRATE_EVERY speculating calls."""
+        return (self._priced.get(bucket, (0,))[0] >= MIN_CALLS and 1.0 <= self.ratio(bucket) < CALIBRATE_BELOW
+                and self._since_plain[bucket] >= CALIBRATE_EVERY)
 
     def calibrate(self, bucket: int, priced_seconds: float, seconds: float) -> None:
         """A plain call of `bucket` rows took `seconds` where the cost model priced it at `priced_seconds`."""
@@ -79,6 +84,7 @@ class CallGate:
         (the same clock; calibrated)."""
         if not (plain_seconds > 0 and seconds > 0):
             return
+        # before its first plain call a bucket counts as long unchecked: its first check is due once priced
         self._since_plain[bucket] = self._since_plain.get(bucket, CALIBRATE_EVERY) + 1
         calls, plain, spent = self._priced.get(bucket, (0, 0.0, 0.0))
         calls, plain, spent = calls + 1, plain * DECAY + plain_seconds, spent * DECAY + seconds
