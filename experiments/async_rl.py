@@ -378,6 +378,7 @@ def _train(cfg: RunConfig, policy: Policy, heads: MTPHeads | Eagle3Heads | None,
                        "rollout_plain_estimate_s": json_safe(batch.plain_estimate_s),   # nan -> null
                        "rollout_history": batch.history_sizes,
                        "rollout_speculation_paused": batch.speculation_paused,
+                       "rollout_speculation_tail_only": batch.speculation_tail_only,
                        "policy_version": step + 1}
                 log.write(json.dumps(row) + "\n")
                 log.flush()
@@ -426,6 +427,10 @@ def rollout_speed(rows: list[dict]) -> str:
         line += (f"\nspeculation paused in {paused} of {len(rows)} steps: their batch size's speculating calls had "
                  "cost more than plain decoding, or paid so little that a plain call checked the engine's estimate "
                  "(accelerator.workers.plain_when_slower)")
+    tails = sum(bool(r.get("rollout_speculation_tail_only")) for r in rows)
+    if tails:
+        line += (f"\nspeculation in the calls' tails only in {tails} of {len(rows)} steps: their full batch decoded plain, "
+                 "where speculating had cost more, and the rows left once others had finished drafted in a smaller batch")
     history = rows[-1].get("rollout_history") if rows else None
     if history:
         line += (f"\nrollout history: {history['tokens']} tokens of {history['responses']} responses to "

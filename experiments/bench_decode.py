@@ -132,7 +132,7 @@ def run_ours(engine: TorchEngine, prompts: list[list[int]], sampling: SamplingPa
                 share={src: n / max(batch.num_tokens, 1) for src, n in accepted.items()},
                 mean_drafts=stats.num_draft_tokens / drafted_rows if drafted_rows else 0.0,
                 speedup_estimate=batch.plain_estimate_s / batch.wall_time_s,   # the engine's own (nan: none)
-                paused=batch.speculation_paused,
+                paused=batch.speculation_paused, tail_only=batch.speculation_tail_only,
                 # plain calls' cost over the cost model's price for them, as the gate now holds it (1: none ran)
                 price_check=engine.gate.calibration(bucket(len(prompts), engine.config.batch_buckets)),
                 margin=engine.chooser.margin.get(len(prompts), 1.0) if engine.chooser is not None else 1.0,
@@ -182,7 +182,7 @@ def bench(policy, heads, cfg: BenchDecodeConfig, batches: dict[int, list], label
                        ratio_to_plain=statistics.median(ratios), all_ratios=ratios,
                        pooled_ratio=pooled_tok_s(rs) / pooled_tok_s(runs["plain"]),
                        speedup_estimate=med("speedup_estimate"), margin=med("margin"),
-                       paused=sum(x["paused"] for x in rs),
+                       paused=sum(x["paused"] for x in rs), tail_only=sum(x["tail_only"] for x in rs),
                        price_check=rs[-1]["price_check"],
                        acceptance=med("acceptance") if name != "plain" else None,
                        tokens_per_round=med("tokens_per_round"), tokens_per_row=med("tokens") / B,
@@ -193,7 +193,7 @@ def bench(policy, heads, cfg: BenchDecodeConfig, batches: dict[int, list], label
             rows.append(row)
             ph = " ".join(f"{p} {v:.1f}" for p, v in row["phase_ms"].items())
             print(f"{label:<10} T={cfg.temperature} B={B:<2} {name:<8} {row['tok_s']:7.1f} tok/s  x{row['ratio_to_plain']:.3f}"
-                  f"  [{min(row['all_ratios']):.2f}-{max(row['all_ratios']):.2f}] pooled x{row['pooled_ratio']:.3f} (engine's estimate x{row['speedup_estimate']:.3f}, margin {row['margin']:.2f}, plain calls {row['paused']}/{len(rs)}, price check x{row['price_check']:.3f})"
+                  f"  [{min(row['all_ratios']):.2f}-{max(row['all_ratios']):.2f}] pooled x{row['pooled_ratio']:.3f} (engine's estimate x{row['speedup_estimate']:.3f}, margin {row['margin']:.2f}, plain calls {row['paused']}/{len(rs)}, tail only {row['tail_only']}/{len(rs)}, price check x{row['price_check']:.3f})"
                   f"  acc {row['acceptance'] if row['acceptance'] is not None else float('nan'):.3f}"
                   f"  tok/row {row['tokens_per_row']:.0f}  tok/round/row {row['tokens_per_round']:.2f}  drafts/row-round {row['mean_drafts']:.2f}"
                   f"  share heads {row['share']['heads']:.2f} history {row['share']['history']:.2f}  ms/round: {ph}",
@@ -222,7 +222,7 @@ def append_log(path: str, argv: list[str], heads_desc: str, rows: list[dict]) ->
              f"Machine: {machine()}  ", f"Heads: {heads_desc}\n",
              "| engine | T | batch | setting | tok/s | x plain (range) | pooled x plain | tokens per row | acceptance | "
              "drafts per row-round | token share heads / history | draft / verify / accept / commit ms per round | "
-             "calls run plain (plain_when_slower) | their cost / the model's price |",
+             "calls run plain / drafting only in their tails (plain_when_slower) | plain calls' cost / the model's price |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         acc = f"{r['acceptance']:.3f}" if r["acceptance"] is not None else "-"
@@ -231,7 +231,7 @@ def append_log(path: str, argv: list[str], heads_desc: str, rows: list[dict]) ->
                      f"{r['ratio_to_plain']:.3f} ({min(r['all_ratios']):.2f}-{max(r['all_ratios']):.2f}) | {r['pooled_ratio']:.3f} | "
                      f"{r['tokens_per_row']:.0f} | {acc} | "
                      f"{r['mean_drafts']:.2f} | {r['share']['heads']:.2f} / {r['share']['history']:.2f} | {ph} | "
-                     f"{r['paused']} of {len(r['all_ratios'])} | {r['price_check']:.3f} |")
+                     f"{r['paused']} / {r['tail_only']} of {len(r['all_ratios'])} | {r['price_check']:.3f} |")
     with open(path, "a") as f:
         f.write("\n".join(lines) + "\n")
 

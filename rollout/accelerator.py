@@ -125,6 +125,7 @@ class RolloutAccelerator:
         self._step_plain_s = 0.0           # the same calls decoded plainly, as the engines estimate it
         self._step_history: dict[str, int] | None = None   # the engines' rollout history after the latest call
         self._step_paused = False          # a call of the step ran plain where speculating had cost more
+        self._step_tail_only = False       # a call of the step speculated only once rows had finished
 
     def _new_cotrainer_client(self) -> CoTrainerClient:
         return CoTrainerClient(self.cfg.cotrainer, self._weights, seed=self.cfg.seed, lock=self._lock,
@@ -211,13 +212,15 @@ class RolloutAccelerator:
         wall = time.perf_counter() - t0
         batch = RolloutBatch(comps, wall_time_s=wall,   # the engines' plain estimate + what Ray added around them
                              plain_estimate_s=wall - pooled.wall_time_s + pooled.plain_estimate_s,
-                             history_sizes=pooled.history_sizes, speculation_paused=pooled.speculation_paused)
+                             history_sizes=pooled.history_sizes, speculation_paused=pooled.speculation_paused,
+                             speculation_tail_only=pooled.speculation_tail_only)
         with self._lock:
             self._step_completions.extend(comps)
             self._step_wall_s += batch.wall_time_s
             self._step_plain_s += batch.plain_estimate_s
             self._step_history = batch.history_sizes or self._step_history
             self._step_paused = self._step_paused or batch.speculation_paused
+            self._step_tail_only = self._step_tail_only or batch.speculation_tail_only
             if self._cotrainer is not None:   # fire and forget: never waits on the co-trainer
                 self._cotrainer.add_rollouts([(c.prompt, c.tokens) for c in comps])
         return batch
@@ -230,14 +233,15 @@ class RolloutAccelerator:
             self._cotrainer.poll(step)
         with self._lock:
             comps, wall, plain = self._step_completions, self._step_wall_s, self._step_plain_s
-            history, paused = self._step_history, self._step_paused
+            history, paused, tail_only = self._step_history, self._step_paused, self._step_tail_only
             self._step_completions, self._step_wall_s, self._step_plain_s = [], 0.0, 0.0
-            self._step_paused = False
+            self._step_paused = self._step_tail_only = False
         if not comps:
             logger.warning("end_step(%d): no generate() since the last end_step; nothing recorded", step)
             return {"step": step, "num_completions": 0}
         rec = self.monitor.record_step(step, RolloutBatch(comps, wall_time_s=wall, plain_estimate_s=plain,
-                                                          history_sizes=history, speculation_paused=paused),
+                                                          history_sizes=history, speculation_paused=paused,
+                                                          speculation_tail_only=tail_only),
                                        extra=extra_metrics)
         if self._cotrainer is not None:
             self._cotrainer.observe(StepObservation(step, mean_entropy(comps), RolloutBatch(comps).spec_stats()

@@ -8,8 +8,9 @@ each row chooses per round where its drafts come from (MTP heads, tokens copied 
 history, or none) and how many, by predicted acceptance against the round's modelled cost
 (rollout.engine.chooser); `EngineConfig(draft_lengths="fixed")` drafts k head tokens for every
 row instead. The predictor, the cost model and the history live with the engine across
-generate() calls, and so does the gate that runs a batch size's calls plain where speculating them
-recently cost more than plain decoding would have (rollout.engine.call_gate). Every random draw is
+generate() calls, and so does the gate that decodes a batch size's calls plain in their full batch where
+speculating them recently cost more than plain decoding would have, drafting only in their tails once rows
+have finished, or not at all (rollout.engine.call_gate). Every random draw is
 keyed on (seed, the row's index in the prompt list, position) (rollout.verify.KeyedDraws), so a row's
 tokens do not depend on its batch-mates. Caches
 are static (one per batch bucket and length), forwards are optionally compiled
@@ -26,7 +27,7 @@ import torch
 
 from mtp_heads.eagle3 import layer_outputs
 from mtp_heads.heads import MTPHeads
-from rollout.engine.call_gate import CallGate
+from rollout.engine.call_gate import PLAIN, SPECULATE, TAIL, CallGate
 from rollout.engine.chooser import DraftChooser, RowView, call_lead
 from rollout.engine.history import RolloutHistory
 from rollout.engine.config import EngineConfig, bucket
@@ -112,9 +113,10 @@ class TorchEngine:
         validate_request(prompts, sampling, vocab_size=cfg.vocab_size, context_length=cfg.max_position_embeddings,
                          has_heads=self._can_draft())
         call_bucket = bucket(len(prompts), self.config.batch_buckets)
-        paused = (sampling.num_draft_tokens > 0 and self.config.draft_lengths == "chosen"
-                  and self.config.plain_when_slower and not self.gate.speculates(call_bucket))
-        if paused:
+        mode = SPECULATE
+        if sampling.num_draft_tokens > 0 and self.config.draft_lengths == "chosen" and self.config.plain_when_slower:
+            mode = self.gate.mode(call_bucket, tail=self._tail_possible())
+        if mode == PLAIN:
             sampling = replace(sampling, num_draft_tokens=0)
         clock = cost_clock(self._device)
         t0, cost0 = time.perf_counter(), clock()
@@ -123,21 +125,26 @@ class TorchEngine:
         k_max = sampling.num_draft_tokens
         chooser = self._chooser(k_max) if k_max > 0 and self.config.draft_lengths == "chosen" else None
         history = self._history() if chooser is not None and chooser.use_history else None
-        ctx, st, results = self._prefill(prompts, sampling, heads_needed=chooser is None or chooser.use_heads)
+        drafting = mode == SPECULATE       # TAIL: plain until the rows first move into a smaller bucket
+        ctx, st, results = self._prefill(prompts, sampling, heads_needed=chooser is None or chooser.use_heads,
+                                         fill_heads=drafting)
         plain_prefill_cost = clock() - cost0 - ctx.head_prefill_seconds     # what plain decoding's prefill costs
         can_stop = bool((ctx.stop_ids >= 0).any())         # else every row runs to max_new_tokens
-        handles = history.begin_call(prompts, self.policy_version) if history is not None else None
+        handles = history.begin_call(prompts, self.policy_version) if history is not None and drafting else None
         records: list[RoundResult] = []
         n_active = len(prompts)
         try:
             while n_active > 0:
                 if bucket(n_active, self.config.batch_buckets) < st.batch:
                     st = self._compact(st, results, n_active, ctx)
+                    if not drafting:
+                        handles = self._start_drafting(ctx, st, results, prompts, history)
+                        drafting = True
                 # a round's cost-clock time spans its host work too (history lookups, the choice, what
                 # the chooser and history learn): drafting rounds are priced with what they cost beyond
                 # a plain round's, the plain rounds of a choosing engine do none of it
                 t_round, compile_s = clock(), self.forwards.compile_time_s
-                plain = chooser is not None and chooser.plain_round(st.batch)
+                plain = chooser is not None and (not drafting or chooser.plain_round(st.batch))
                 choosing = chooser if not plain else None
                 view = self._row_view(st, history if choosing is not None else None, handles,
                                       k_max if choosing is not None else 0,      # the fixed lengths look at none
@@ -151,7 +158,7 @@ class TorchEngine:
                 n_active = int((~st.finished).sum())
                 if choosing is not None:
                     chooser.observe(view, r.plan, r.num_accepted.cpu().numpy())
-                if history is not None:
+                if handles is not None:
                     out = r.emitted.cpu().numpy()
                     for slot in np.flatnonzero(count > 0):
                         history.append(handles[int(view.row_ids[slot])], out[slot, :count[slot]].tolist())
@@ -168,14 +175,14 @@ class TorchEngine:
                     progress(int(count.sum()), int(np.minimum(r.num_accepted.cpu().numpy(), drafted).sum()),
                              int(drafted.sum()))
         finally:
-            if history is not None:
+            if handles is not None:
                 history.end_call()
         results.save(st)
-        if paused and self.chooser is not None:     # a plain call: what it cost against the cost model's price
+        if not drafting and self.chooser is not None:     # a plain call: what it cost against the cost model's price
             self.gate.calibrate(call_bucket, self._plain_price(self.chooser, prompts, results, st),
                                 clock() - cost0 - plain_prefill_cost)
         batch = completions_mod.build(prompts, results, records, sampling, self.policy_version, self.head_version)
-        if paused:       # later calls still draft from what this one generated
+        if not drafting:       # later calls still draft from what this one generated
             self.remember([(p, c.tokens, self.policy_version) for p, c in zip(prompts, batch.completions)])
             history = self.history
         if history is not None:
@@ -183,8 +190,9 @@ class TorchEngine:
         batch.wall_time_s = time.perf_counter() - t0
         call_cost = clock() - cost0
         batch.compile_time_s = self.forwards.compile_time_s - compile_before
-        batch.speculation_paused = paused
-        if k_max == 0:
+        batch.speculation_paused = not drafting
+        batch.speculation_tail_only = mode == TAIL and drafting
+        if k_max == 0 or not drafting:
             batch.plain_estimate_s = batch.wall_time_s
         elif chooser is not None and call_cost > 0:
             # priced on the cost clock, as the rounds were, then scaled to this call's wall time: the same
@@ -192,8 +200,30 @@ class TorchEngine:
             plain_cost = plain_prefill_cost + (self._plain_price(chooser, prompts, results, st)
                                                * self.gate.calibration(call_bucket))
             batch.plain_estimate_s = batch.wall_time_s * plain_cost / call_cost
-            self.gate.record(call_bucket, plain_cost, call_cost)
+            self.gate.record(call_bucket, plain_cost, call_cost, mode)
         return batch
+
+    def _tail_possible(self) -> bool:
+        """Whether a call can start drafting mid-call: the heads' caches are caught up from the policy's
+        final states, which plain rounds keep; a drafter reading intermediate layers (EAGLE-3) would need
+        states that plain rounds do not keep."""
+        return not (getattr(self.heads, "aux_layer_ids", ()) and "heads" in self._sources())
+
+    def _start_drafting(self, ctx: RoundContext, st: DecodeState, results: Results, prompts: list[list[int]],
+                        history: RolloutHistory | None) -> list[int] | None:
+        """A TAIL call's switch from plain decoding to drafting, once its rows have moved into a smaller
+        bucket: the heads' caches over every committed position, and the history's rows with every token
+        emitted so far (`results` holds all of them right after a compaction). -> the history's handles."""
+        if ctx.heads is not None:
+            self._fill_heads(ctx, st)
+        if history is None:
+            return None
+        handles = history.begin_call(prompts, self.policy_version)
+        seq, start, end = (results.seq.cpu().numpy(), results.prompt_len.cpu().numpy(),
+                           results.committed.cpu().numpy())
+        for row, handle in enumerate(handles):
+            history.append(handle, seq[row, start[row]:end[row]].tolist())
+        return handles
 
     def _plain_price(self, chooser: DraftChooser, prompts: list[list[int]], results: Results,
                      st: DecodeState) -> float:
@@ -253,7 +283,9 @@ class TorchEngine:
         which take KVCache's plain buffers."""
         return not self.forwards.compiled
 
-    def _prefill(self, prompts, sp: SamplingParams, heads_needed: bool = True):
+    def _prefill(self, prompts, sp: SamplingParams, heads_needed: bool = True, fill_heads: bool = True):
+        """The prompts through the policy and every row's first token; with heads and `fill_heads`, the
+        heads' caches over the prompts too (else later: `_start_drafting`, or never in a plain call)."""
         dev, ecfg = self._device, self.config
         k = sp.num_draft_tokens
         B0 = len(prompts)
@@ -297,15 +329,21 @@ class TorchEngine:
         logp = last_logits.gather(1, first[:, None]) - log_z[:, None]
         commit(ctx, st, first[:, None], torch.zeros(B, dtype=torch.long, device=dev), logp,
                ent[:, None], p_max[:, None])
-        if heads is not None:
-            st.heads = self._head_caches(B, L)
-            st.head_len = [torch.zeros(B, dtype=torch.long, device=dev) for _ in st.heads]
-            st.head_hidden = [torch.zeros_like(hidden) for _ in st.heads]
-            t_heads = ctx.clock()
-            fill_head_caches(self.heads, self.policy, st, prompt_aux)
-            ctx.head_prefill_seconds = ctx.clock() - t_heads
+        if heads is not None and fill_heads:
+            self._fill_heads(ctx, st, prompt_aux)
         results = Results(B0, L, d, sp.return_hidden_states, dtype, dev)
         return ctx, st, results
+
+    def _fill_heads(self, ctx: RoundContext, st: DecodeState, prompt_aux: torch.Tensor | None = None) -> None:
+        """The heads' caches over every committed position of st's rows (timed on ctx.clock as
+        head_prefill_seconds: no part of plain decoding's cost)."""
+        dev, B, L = st.seq.device, st.batch, st.max_len
+        t_heads = ctx.clock()
+        st.heads = self._head_caches(B, L)
+        st.head_len = [torch.zeros(B, dtype=torch.long, device=dev) for _ in st.heads]
+        st.head_hidden = [torch.zeros_like(st.hidden) for _ in st.heads]
+        fill_head_caches(self.heads, self.policy, st, prompt_aux)
+        ctx.head_prefill_seconds += ctx.clock() - t_heads
 
     def _prompt_states(self, tokens: torch.Tensor, cache: Cache,
                        aux_layers: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -222,6 +222,9 @@ class RolloutBatch:
     # the engine ran the call plain although it asked for drafts: speculating calls of its batch size had
     # recently cost more than plain decoding (torch engine, rollout.engine.call_gate); across workers: any
     speculation_paused: bool = False
+    # the engine decoded the call's full batch plain and speculated only once enough rows had finished for
+    # the rest to move into a smaller batch (the gate's TAIL mode: its full batch had lost); across workers: any
+    speculation_tail_only: bool = False
 
     @property
     def nonfinite_draft_rounds(self) -> int:

@@ -131,7 +131,8 @@ class WorkerPool:
                             compile_time_s=max(r.compile_time_s for r in results.values()),
                             plain_estimate_s=max_or_nan([r.plain_estimate_s for r in results.values()]),
                             history_sizes=sum_history_sizes([r.history_sizes for r in results.values()]),
-                            speculation_paused=any(r.speculation_paused for r in results.values()))
+                            speculation_paused=any(r.speculation_paused for r in results.values()),
+                            speculation_tail_only=any(r.speculation_tail_only for r in results.values()))
 
     def _submit(self, slot: int, prompts: list[list[int]], idx: list[int], sampling: SamplingParams, chunk: int):
         return self.workers[slot].generate.remote([prompts[i] for i in idx], chunk_sampling(sampling, chunk))

@@ -61,10 +61,10 @@ def every_call_speculates(request, monkeypatch):
     In this process every call speculates, so that decoding tests see the drafts they assert on;
     tests/test_call_gate.py tests the gate itself, and the Ray and job tests that assert drafting in
     every step turn it off in their configs (`plain_when_slower`)."""
-    if request.module.__name__.endswith("test_call_gate"):
+    if request.module.__name__.endswith(("test_call_gate", "test_tail_speculation")):
         return
-    from rollout.engine.call_gate import CallGate
-    monkeypatch.setattr(CallGate, "speculates", lambda self, bucket: True)
+    from rollout.engine.call_gate import SPECULATE, CallGate
+    monkeypatch.setattr(CallGate, "mode", lambda self, bucket, tail=True: SPECULATE)
 
 
 @pytest.fixture(autouse=True, scope="module")

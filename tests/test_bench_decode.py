@@ -23,7 +23,7 @@ def fake_runs(monkeypatch):
         calls.append((engine.name, sampling))
         tokens, seconds = results[engine.name][sum(1 for n, _ in calls if n == engine.name) - 1]
         return dict(tok_s=tokens / seconds, tokens=tokens, decode_s=seconds, acceptance=0.5, tokens_per_round=1.0,
-                    mean_drafts=1.0, speedup_estimate=1.0, margin=1.0, paused=False, price_check=0.95, share={"heads": 0.0, "history": 0.0},
+                    mean_drafts=1.0, speedup_estimate=1.0, margin=1.0, paused=False, tail_only=engine.name == "both", price_check=0.95, share={"heads": 0.0, "history": 0.0},
                     phase_ms={p: 0.0 for p in bd.PHASES})
 
     monkeypatch.setattr(bd, "make_engine", make_engine)
@@ -66,4 +66,4 @@ def test_the_log_table_has_a_cell_for_every_column(fake_runs, tmp_path):
     assert len(table) == 2 + len(rows)
     assert {ln.count("|") for ln in table} == {table[0].count("|")}
     assert "| 0.875 | 175 |" in table[-1]          # both's pooled ratio and tokens per row
-    assert table[-1].endswith("| 0 of 2 | 0.950 |")  # calls run plain, and the gate's check of its plain price
+    assert table[-1].endswith("| 0 / 2 of 2 | 0.950 |")   # calls run plain / tail only, and the price check

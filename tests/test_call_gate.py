@@ -1,5 +1,6 @@
-"""The call gate: batch sizes whose speculating calls cost more than plain decoding run plain, re-checked
-now and then; a paused call is plain decoding (its tokens, its speed) and still feeds the rollout history."""
+"""The call gate: batch sizes whose speculating calls cost more than plain decoding run without speculating in
+the full batch (TAIL calls, or PLAIN where those lose too), re-checked now and then; a paused call is plain
+decoding (its tokens, its speed) and still feeds the rollout history."""
 from dataclasses import replace
 
 import pytest
@@ -7,17 +8,20 @@ import pytest
 import math
 
 from rollout.engine.call_gate import (CALIBRATE_BELOW, CALIBRATE_EVERY, DECAY, FIRST_SKIP, MAX_SKIP, MIN_CALLS,
-                                      CallGate)
+                                      PLAIN, SPECULATE, TAIL, CallGate)
 from rollout.engine.config import EngineConfig
 from rollout.torch_engine import TorchEngine
 from rollout.types import SamplingParams
 from tests.lossless import MIXED_PROMPTS
 
 
-def plain_stretch(gate: CallGate, bucket: int) -> int:
-    """How many calls of `bucket` run plain before the next one speculates."""
+def plain_stretch(gate: CallGate, bucket: int, tail: bool = True) -> int:
+    """How many calls of `bucket` run without speculating from their start before the next one does (each
+    PLAIN one checks the price, as the engine's plain calls do)."""
     n = 0
-    while not gate.speculates(bucket):
+    while (mode := gate.mode(bucket, tail)) != SPECULATE:
+        if mode == PLAIN:
+            gate.calibrate(bucket, 1.0, 1.0)
         n += 1
     return n
 
@@ -68,18 +72,56 @@ def test_where_speculation_barely_pays_a_plain_call_checks_the_price_now_and_the
     for _ in range(MIN_CALLS):
         gate.record(16, barely, 1.0)
         gate.record(8, clearly, 1.0)
-        assert gate.speculates(8)
-    assert not gate.speculates(16)                       # checked once priced...
-    assert gate.speculates(16)                           # (one call, not a stretch)
+        assert gate.mode(8) == SPECULATE
+    assert gate.mode(16) == PLAIN                        # checked once priced...
+    gate.calibrate(16, 1.0, 1.0)
+    assert gate.mode(16) == SPECULATE                    # (one call, not a stretch)
     plain_calls = []
     for call in range(3 * CALIBRATE_EVERY):              # ...then after every CALIBRATE_EVERY speculating calls
         gate.record(16, barely, 1.0)
         gate.record(8, clearly, 1.0)
-        assert gate.speculates(8)                        # clearly paying: no call spent on checking
-        if not gate.speculates(16):
+        assert gate.mode(8) == SPECULATE                 # clearly paying: no call spent on checking
+        if gate.mode(16) == PLAIN:
             plain_calls.append(call)
-            assert gate.speculates(16)
+            gate.calibrate(16, 1.0, 1.0)
+            assert gate.mode(16) == SPECULATE
     assert plain_calls == [CALIBRATE_EVERY - 1, 2 * CALIBRATE_EVERY - 1, 3 * CALIBRATE_EVERY - 1]
+
+
+def test_a_stretch_away_from_speculating_runs_tail_calls_judged_on_their_own():
+    gate = CallGate()
+    for _ in range(MIN_CALLS):
+        gate.record(16, 1.0, 1.2)                        # speculating from the start loses
+    assert [gate.mode(16) for _ in range(FIRST_SKIP)] == [TAIL] * FIRST_SKIP
+    assert gate.mode(16) == SPECULATE                    # the re-check
+    assert gate.mode(16, tail=False) == SPECULATE        # (no stretch now)
+    gate.record(16, 1.0, 1.2)
+    assert [gate.mode(16, tail=False) for _ in range(2 * FIRST_SKIP)] == [PLAIN] * 2 * FIRST_SKIP   # no tail possible
+    gate = CallGate()
+    for _ in range(MIN_CALLS):
+        gate.record(16, 1.0, 1.2)
+        gate.record(16, 1.0, 1.3, TAIL)                  # the tail loses too: its own stretch, PLAIN calls
+    assert gate.ratio(16, TAIL) < 1
+    assert [gate.mode(16) for _ in range(FIRST_SKIP)] == [PLAIN] * FIRST_SKIP   # both modes in a stretch
+    assert gate.mode(16) == SPECULATE                    # the re-check...
+    gate.record(16, 1.0, 1.2)                            # ...loses again: a longer stretch away from speculating
+    assert gate.mode(16) == TAIL                         # whose first call re-checks the tail, its own stretch over
+    gate.record(16, 2.0, 1.0, TAIL)                      # the tail paid there: it keeps being chosen
+    assert gate.ratio(16, TAIL) > 1 and gate.mode(16) == TAIL
+
+
+def test_where_the_tail_barely_pays_a_plain_call_checks_the_price_too():
+    gate = CallGate()
+    barely = 1.0 + (CALIBRATE_BELOW - 1) / 2
+    for _ in range(MIN_CALLS):
+        gate.record(16, 1.0, 1.2)
+    for _ in range(MIN_CALLS):
+        assert gate.mode(16) == TAIL
+        gate.record(16, barely, 1.0, TAIL)
+    gate.record(16, 1.0, 1.2)                            # the re-check loses: a stretch...
+    assert gate.mode(16) == PLAIN                        # ...whose first call checks the price
+    gate.calibrate(16, 1.0, 1.0)
+    assert gate.mode(16) == TAIL
 
 
 def test_plain_calls_calibrate_the_price_by_a_decayed_geometric_mean_of_cost_over_price():
@@ -147,9 +189,12 @@ def test_paused_steps_reach_the_monitor_and_the_job_summary(tiny_policy, tiny_he
     batch = engine.generate(MIXED_PROMPTS, sp)
     with AcceptanceMonitor(MonitorConfig(str(tmp_path), plots=False, tensorboard=False, n_boot=0)) as mon:
         assert mon.record_step(0, batch)["speculation_paused"] is True
-    rows = [{"rollout_s": 1.0, "rollout_tokens": 10, "rollout_speculation_paused": paused} for paused in (True, False, True)]
-    assert "speculation paused in 2 of 3 steps" in rollout_speed(rows)
-    assert "paused" not in rollout_speed(rows[1:2])
+    rows = [{"rollout_s": 1.0, "rollout_tokens": 10, "rollout_speculation_paused": paused,
+             "rollout_speculation_tail_only": tail} for paused, tail in ((True, False), (False, False), (True, False),
+                                                                           (False, True))]
+    assert "speculation paused in 2 of 4 steps" in rollout_speed(rows)
+    assert "speculation in the calls' tails only in 1 of 4 steps" in rollout_speed(rows)
+    assert "paused" not in rollout_speed(rows[1:2]) and "tails" not in rollout_speed(rows[1:2])
 
 
 def test_a_paused_call_checks_the_cost_models_price_and_later_estimates_carry_the_correction(tiny_policy, tiny_heads,
@@ -176,6 +221,6 @@ def test_a_paused_call_checks_the_cost_models_price_and_later_estimates_carry_th
     record = engine.gate.record
     monkeypatch.setattr(engine.gate, "record", lambda *a: recorded.append(a) or record(*a))
     out = engine.generate(MIXED_PROMPTS, sp)
-    (_, plain_s, spent_s), = recorded
+    (_, plain_s, spent_s, _), = recorded
     assert not out.speculation_paused and 15.0 < plain_s < 15.0 + spent_s
     assert out.plain_estimate_s == pytest.approx(out.wall_time_s * plain_s / spent_s)

@@ -156,7 +156,7 @@ def _records(run_dir: Path, name: str) -> list[dict]:
 TIMES = ("time", "wall_time_s", "tokens_per_s", "plain_estimate_s", "speedup_estimate", "rollout_s",
          "rollout_wait_s", "train_s", "rollout_plain_estimate_s")
 DRAFTING = ("acceptance", "draft", "accepted", "slope", "bins_step", "drafting", "nonfinite", "speedup",
-            "plain_estimate", "alerts", "calibration", "history", "speculation_paused")
+            "plain_estimate", "alerts", "calibration", "history", "speculation_")
 
 
 def _close(a, b) -> bool:

@@ -146,6 +146,7 @@ class AcceptanceMonitor:
             "drafting": drafting,
             "history_sizes": batch.history_sizes,
             "speculation_paused": batch.speculation_paused,
+            "speculation_tail_only": batch.speculation_tail_only,
             "slope_by_source": self._source_slopes(pts, step, list(calibration)),
         }
         rec["alerts"] = self._check_alerts(rec)
