@@ -125,21 +125,23 @@ class TorchEngine:
         k_max = sampling.num_draft_tokens
         chooser = self._chooser(k_max) if k_max > 0 and self.config.draft_lengths == "chosen" else None
         history = self._history() if chooser is not None and chooser.use_history else None
-        drafting = mode == SPECULATE       # TAIL: plain until the rows first move into a smaller bucket
+        drafting = mode == SPECULATE
+        switch_pending = mode == TAIL       # plain until the rows first move into a smaller bucket
         ctx, st, results = self._prefill(prompts, sampling, heads_needed=chooser is None or chooser.use_heads,
                                          fill_heads=drafting)
         plain_prefill_cost = clock() - cost0 - ctx.head_prefill_seconds     # what plain decoding's prefill costs
         can_stop = bool((ctx.stop_ids >= 0).any())         # else every row runs to max_new_tokens
-        handles = history.begin_call(prompts, self.policy_version) if history is not None and drafting else None
+        handles = (self._begin_history(history, prompts, st.seq, st.prompt_len, st.committed)   # the first tokens
+                   if history is not None and drafting else None)
         records: list[RoundResult] = []
         n_active = len(prompts)
         try:
             while n_active > 0:
                 if bucket(n_active, self.config.batch_buckets) < st.batch:
                     st = self._compact(st, results, n_active, ctx)
-                    if not drafting:
+                    if switch_pending:
                         handles = self._start_drafting(ctx, st, results, prompts, history)
-                        drafting = True
+                        drafting, switch_pending = True, False
                 # a round's cost-clock time spans its host work too (history lookups, the choice, what
                 # the chooser and history learn): drafting rounds are priced with what they cost beyond
                 # a plain round's, the plain rounds of a choosing engine do none of it
@@ -218,9 +220,15 @@ class TorchEngine:
             self._fill_heads(ctx, st)
         if history is None:
             return None
+        return self._begin_history(history, prompts, results.seq, results.prompt_len, results.committed)
+
+    def _begin_history(self, history: RolloutHistory, prompts: list[list[int]], seq: torch.Tensor,
+                       prompt_len: torch.Tensor, committed: torch.Tensor) -> list[int]:
+        """The call's rows opened in the history with every token each has emitted so far: row r's
+        seq[r, prompt_len[r]:committed[r]] (seq [>= R, L], prompt_len and committed [>= R], R = len(prompts);
+        rows in prompt order). -> the history's handles."""
         handles = history.begin_call(prompts, self.policy_version)
-        seq, start, end = (results.seq.cpu().numpy(), results.prompt_len.cpu().numpy(),
-                           results.committed.cpu().numpy())
+        seq, start, end = (t.cpu().numpy() for t in (seq, prompt_len, committed))
         for row, handle in enumerate(handles):
             history.append(handle, seq[row, start[row]:end[row]].tolist())
         return handles

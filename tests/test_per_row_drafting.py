@@ -126,7 +126,8 @@ def test_temperature_zero_drafts_cut_to_a_round_budget_equal_plain_decoding(atte
     prompts = MIXED_PROMPTS + MIXED_PROMPTS[:2]
     base = SamplingParams(max_new_tokens=30, temperature=0, ignore_eos=True)
     plain = TorchEngine(policy).generate(prompts, base)
-    engine = TorchEngine(policy, random_heads(policy, 3, seed=2))
+    # no probe rounds: they verify every head draft uncut where history drafts have kept the heads unverified
+    engine = TorchEngine(policy, random_heads(policy, 3, seed=2), config=EngineConfig(probe_every=10**6))
     sp = replace(base, num_draft_tokens=3, draft_mode=mode)
     for _ in range(2):     # the second call also has history drafts, cut with the heads'
         out = engine.generate(prompts, sp)

@@ -182,3 +182,51 @@ def test_an_eagle3_drafter_never_runs_tail_calls():
     engine.heads.aux_layer_ids = (0, 1)
     assert not engine._tail_possible()
     assert TorchEngine(policy, config=EngineConfig(draft_sources=("history",)))._tail_possible()
+
+
+def test_a_plain_call_whose_rows_move_into_smaller_buckets_stays_plain(monkeypatch):
+    """Where TAIL calls lose too the gate runs PLAIN calls: rows that finish and move into smaller buckets do not
+    switch drafting on; the call counts as paused, checks the plain price and its tokens reach the history."""
+    from rollout.engine.config import bucket
+    policy = random_model(attention_config("sdpa", vocab_size=32), seed=1)
+    engine = TorchEngine(policy, random_heads(policy, 2, seed=2))
+    prompts = MIXED_PROMPTS * 2
+    sp = stopping_sampling(policy, prompts, num_draft_tokens=3)
+    first = engine.generate(prompts, sp)                      # the cost model times this bucket's rounds
+    b = bucket(len(prompts), engine.config.batch_buckets)
+    for _ in range(MIN_CALLS):
+        engine.gate.record(b, 1.0, 2.0)
+        engine.gate.record(b, 1.0, 2.0, TAIL)
+    compactions, checked = [], []
+    compact = engine._compact
+    monkeypatch.setattr(engine, "_compact", lambda *a: compactions.append(1) or compact(*a))
+    calibrate = engine.gate.calibrate
+    monkeypatch.setattr(engine.gate, "calibrate", lambda *a: checked.append(a) or calibrate(*a))
+    out = engine.generate(prompts, sp)
+    assert compactions and len(checked) == 1
+    assert out.speculation_paused and not out.speculation_tail_only and out.spec_stats().num_drafts == 0
+    assert [c.tokens for c in out.completions] == [c.tokens for c in TorchEngine(policy).generate(
+        prompts, replace(sp, num_draft_tokens=0)).completions]
+    assert out.history_sizes["responses"] == 2 * first.history_sizes["responses"] > 0
+
+
+@pytest.mark.parametrize("tail", [False, True])
+def test_a_calls_history_holds_what_remember_would_store_of_its_completions(tail):
+    """Speculating from the start (first tokens from the prefill, the rest round by round) or from the switch
+    (every token so far at once): the history ends as if the completions had been handed to `remember`, the
+    path of plain calls and of a replacement worker. Rows that stop on their first token included."""
+    policy = random_model(attention_config("sdpa", vocab_size=32), seed=1)
+    heads = random_heads(policy, 2, seed=2)
+    engine = TorchEngine(policy, heads)
+    prompts = MIXED_PROMPTS * 2
+    unstopped = TorchEngine(policy).generate(prompts, SamplingParams(max_new_tokens=40, temperature=0, ignore_eos=True))
+    stop = unstopped.completions[1].tokens[0]                 # a row that stops on its first token
+    sp = SamplingParams(max_new_tokens=40, temperature=0, ignore_eos=True, stop_token_ids=(stop,), num_draft_tokens=3)
+    if tail:
+        tail_calls(engine, len(prompts))
+    out = engine.generate(prompts, sp)
+    assert out.speculation_tail_only is tail and not out.speculation_paused
+    assert min(len(c.tokens) for c in out.completions) == 1
+    replica = TorchEngine(policy, heads)
+    replica.remember([(p, c.tokens, 0) for p, c in zip(prompts, out.completions)])
+    assert out.history_sizes == {k: v for k, v in replica.history.stats().items() if k != "backend"}
