@@ -115,7 +115,7 @@ class TorchEngine:
         call_bucket = bucket(len(prompts), self.config.batch_buckets)
         mode = SPECULATE
         if sampling.num_draft_tokens > 0 and self.config.draft_lengths == "chosen" and self.config.plain_when_slower:
-            mode = self.gate.mode(call_bucket, tail=self._tail_possible())
+            mode = self.gate.mode(call_bucket, tail=self._tail_possible(sampling))
         if mode == PLAIN:
             sampling = replace(sampling, num_draft_tokens=0)
         clock = cost_clock(self._device)
@@ -199,17 +199,19 @@ class TorchEngine:
         elif chooser is not None and call_cost > 0:
             # priced on the cost clock, as the rounds were, then scaled to this call's wall time: the same
             # share of the machine is assumed for the plain decoding that did not run
-            plain_cost = plain_prefill_cost + (self._plain_price(chooser, prompts, results, st)
-                                               * self.gate.calibration(call_bucket))
+            price = self._plain_price(chooser, prompts, results, st)
+            plain_cost = plain_prefill_cost + price * self.gate.calibration(call_bucket)
             batch.plain_estimate_s = batch.wall_time_s * plain_cost / call_cost
-            self.gate.record(call_bucket, plain_cost, call_cost, mode)
+            self.gate.record(call_bucket, plain_prefill_cost, price, call_cost, mode)
         return batch
 
-    def _tail_possible(self) -> bool:
-        """Whether a call can start drafting mid-call: the heads' caches are caught up from the policy's
-        final states, which plain rounds keep; a drafter reading intermediate layers (EAGLE-3) would need
-        states that plain rounds do not keep."""
-        return not (getattr(self.heads, "aux_layer_ids", ()) and "heads" in self._sources())
+    def _tail_possible(self, sampling: SamplingParams) -> bool:
+        """Whether a TAIL call could switch drafting on mid-call: its rows can stop early (else they all
+        finish in the same round and it would be a plain call with a drafting engine's overheads), and the
+        heads' caches can be caught up from the policy's final states, which plain rounds keep (a drafter
+        reading intermediate layers, EAGLE-3, would need states that plain rounds do not keep)."""
+        can_stop = bool(sampling.stop_token_ids) or not (sampling.ignore_eos or not self.policy.config.eos_token_ids)
+        return can_stop and not (getattr(self.heads, "aux_layer_ids", ()) and "heads" in self._sources())
 
     def _start_drafting(self, ctx: RoundContext, st: DecodeState, results: Results, prompts: list[list[int]],
                         history: RolloutHistory | None) -> list[int] | None:

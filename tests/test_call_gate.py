@@ -15,6 +15,15 @@ from rollout.types import SamplingParams
 from tests.lossless import MIXED_PROMPTS
 
 
+def checked(*buckets: int) -> CallGate:
+    """A gate whose buckets have had their plain price checked once (it judges a bucket only then), the price
+    found right."""
+    gate = CallGate()
+    for b in buckets:
+        gate.calibrate(b, 1.0, 1.0)
+    return gate
+
+
 def plain_stretch(gate: CallGate, bucket: int, tail: bool = True) -> int:
     """How many calls of `bucket` run without speculating from their start before the next one does (each
     PLAIN one checks the price, as the engine's plain calls do)."""
@@ -27,42 +36,42 @@ def plain_stretch(gate: CallGate, bucket: int, tail: bool = True) -> int:
 
 
 def test_a_bucket_is_gated_after_its_priced_calls_lose_and_its_stretches_double_while_rechecks_lose():
-    gate = CallGate()
-    gate.record(16, plain_seconds=1.0, seconds=1.2)
+    gate = checked(16, 8)
+    gate.record(16, 0.0, priced_seconds=1.0, seconds=1.2)
     assert MIN_CALLS == 2 and plain_stretch(gate, 16) == 0          # one priced call decides nothing
-    gate.record(16, 1.0, 1.2)
+    gate.record(16, 0.0, 1.0, 1.2)
     assert gate.ratio(16) < 1 and plain_stretch(gate, 16) == FIRST_SKIP
     stretches = []
     for _ in range(6):                                               # every re-check loses again
-        gate.record(16, 1.0, 1.2)
+        gate.record(16, 0.0, 1.0, 1.2)
         stretches.append(plain_stretch(gate, 16))
     assert stretches == [min(FIRST_SKIP * 2 ** i, MAX_SKIP) for i in range(1, 7)]
     assert plain_stretch(gate, 8) == 0                               # buckets are judged apart
 
 
 def test_a_recheck_that_pays_ends_the_pause_and_the_next_loss_starts_short_again():
-    gate = CallGate()
+    gate = checked(16)
     for _ in range(4):
-        gate.record(16, 1.0, 1.2)
+        gate.record(16, 0.0, 1.0, 1.2)
         plain_stretch(gate, 16)
-    gate.record(16, 3.0, 1.0)                                        # speculation paid, clearly
+    gate.record(16, 0.0, 3.0, 1.0)                                        # speculation paid, clearly
     assert gate.ratio(16) > 1 and plain_stretch(gate, 16) == 0
-    gate.record(16, 1.0, 2.0)
+    gate.record(16, 0.0, 1.0, 2.0)
     assert plain_stretch(gate, 16) == FIRST_SKIP
 
 
 def test_unpriced_calls_are_ignored_and_new_heads_end_every_pause():
-    gate = CallGate()
-    gate.record(4, float("nan"), 1.0)
-    gate.record(4, 0.0, 1.0)
+    gate = checked(4)
+    gate.record(4, 0.0, float("nan"), 1.0)
+    gate.record(4, 0.0, 0.0, 1.0)
     assert gate.ratio(4) != gate.ratio(4)                            # nan: nothing priced
-    gate.record(4, 1.0, 2.0)
-    gate.record(4, 1.0, 2.0)
+    gate.record(4, 0.0, 1.0, 2.0)
+    gate.record(4, 0.0, 1.0, 2.0)
     assert plain_stretch(gate, 4) == FIRST_SKIP
-    gate.record(4, 1.0, 2.0)                                         # the re-check loses: a longer stretch is due...
+    gate.record(4, 0.0, 1.0, 2.0)                                         # the re-check loses: a longer stretch is due...
     gate.heads_changed()
     assert plain_stretch(gate, 4) == 0                               # ...but new heads are re-checked at once
-    gate.record(4, 1.0, 2.0)
+    gate.record(4, 0.0, 1.0, 2.0)
     assert plain_stretch(gate, 4) == FIRST_SKIP                      # and a loss pauses again, short
 
 
@@ -70,17 +79,17 @@ def test_where_speculation_barely_pays_a_plain_call_checks_the_price_now_and_the
     gate = CallGate()
     barely, clearly = 1.0 + (CALIBRATE_BELOW - 1) / 2, CALIBRATE_BELOW + 0.2
     for _ in range(MIN_CALLS):
-        gate.record(16, barely, 1.0)
-        gate.record(8, clearly, 1.0)
-        assert gate.mode(8) == SPECULATE
-    assert gate.mode(16) == PLAIN                        # checked once priced...
-    gate.calibrate(16, 1.0, 1.0)
-    assert gate.mode(16) == SPECULATE                    # (one call, not a stretch)
+        gate.record(16, 0.0, barely, 1.0)
+        gate.record(8, 0.0, clearly, 1.0)
+    for b in (16, 8):                                    # every bucket's price is checked once it is priced...
+        assert gate.mode(b) == PLAIN
+        gate.calibrate(b, 1.0, 1.0)
+        assert gate.mode(b) == SPECULATE                 # (one call, not a stretch)
     plain_calls = []
     for call in range(3 * CALIBRATE_EVERY):              # ...then after every CALIBRATE_EVERY speculating calls
-        gate.record(16, barely, 1.0)
-        gate.record(8, clearly, 1.0)
-        assert gate.mode(8) == SPECULATE                 # clearly paying: no call spent on checking
+        gate.record(16, 0.0, barely, 1.0)
+        gate.record(8, 0.0, clearly, 1.0)
+        assert gate.mode(8) == SPECULATE                 # clearly paying: no more calls spent on checking
         if gate.mode(16) == PLAIN:
             plain_calls.append(call)
             gate.calibrate(16, 1.0, 1.0)
@@ -88,59 +97,67 @@ def test_where_speculation_barely_pays_a_plain_call_checks_the_price_now_and_the
     assert plain_calls == [CALIBRATE_EVERY - 1, 2 * CALIBRATE_EVERY - 1, 3 * CALIBRATE_EVERY - 1]
 
 
-def test_a_stretch_away_from_speculating_runs_tail_calls_judged_on_their_own():
+def test_a_bucket_is_judged_once_its_price_is_checked_and_the_check_judges_the_calls_before_it():
+    """Priced calls that read as losses on the model's price alone do not move a bucket off speculating: its first
+    check comes first, and the corrected price judges them (the model's price read 4% high at batch 8 and 5% low
+    at batch 16 stopping at EOS, experiments/LOG.md)."""
     gate = CallGate()
     for _ in range(MIN_CALLS):
-        gate.record(16, 1.0, 1.2)                        # speculating from the start loses
+        gate.record(16, 0.1, 0.9, 1.02)                  # 2% slower by the model's price
+        gate.record(8, 0.1, 0.9, 1.02)
+    assert gate.mode(16) == PLAIN and gate.mode(8) == PLAIN      # the first checks, not stretches
+    gate.calibrate(16, 1.0, 1.05)                        # plain calls of 16 rows cost 5% more than priced: it paid
+    gate.calibrate(8, 1.0, 0.95)                         # of 8 rows 5% less: it lost
+    assert gate.ratio(16) == pytest.approx((0.1 + 0.9 * 1.05) / 1.02) and gate.ratio(16) > 1
+    assert gate.ratio(8) == pytest.approx((0.1 + 0.9 * 0.95) / 1.02) and gate.ratio(8) < 1
+    assert gate.mode(16) == SPECULATE
+    assert [gate.mode(8) for _ in range(FIRST_SKIP)] == [TAIL] * FIRST_SKIP and gate.mode(8) == SPECULATE
+
+
+def test_a_stretch_away_from_speculating_runs_tail_calls_judged_on_their_own():
+    gate = checked(16)
+    for _ in range(MIN_CALLS):
+        gate.record(16, 0.0, 1.0, 1.2)                        # speculating from the start loses
     assert [gate.mode(16) for _ in range(FIRST_SKIP)] == [TAIL] * FIRST_SKIP
     assert gate.mode(16) == SPECULATE                    # the re-check
     assert gate.mode(16, tail=False) == SPECULATE        # (no stretch now)
-    gate.record(16, 1.0, 1.2)
+    gate.record(16, 0.0, 1.0, 1.2)
     assert [gate.mode(16, tail=False) for _ in range(2 * FIRST_SKIP)] == [PLAIN] * 2 * FIRST_SKIP   # no tail possible
-    gate = CallGate()
+    gate = checked(16)
     for _ in range(MIN_CALLS):
-        gate.record(16, 1.0, 1.2)
-        gate.record(16, 1.0, 1.3, TAIL)                  # the tail loses too: its own stretch, PLAIN calls
+        gate.record(16, 0.0, 1.0, 1.2)
+        gate.record(16, 0.0, 1.0, 1.3, TAIL)                  # the tail loses too: its own stretch, PLAIN calls
     assert gate.ratio(16, TAIL) < 1
     assert [gate.mode(16) for _ in range(FIRST_SKIP)] == [PLAIN] * FIRST_SKIP   # both modes in a stretch
     assert gate.mode(16) == SPECULATE                    # the re-check...
-    gate.record(16, 1.0, 1.2)                            # ...loses again: a longer stretch away from speculating
+    gate.record(16, 0.0, 1.0, 1.2)                            # ...loses again: a longer stretch away from speculating
     assert gate.mode(16) == TAIL                         # whose first call re-checks the tail, its own stretch over
-    gate.record(16, 2.0, 1.0, TAIL)                      # the tail paid there: it keeps being chosen
+    gate.record(16, 0.0, 2.0, 1.0, TAIL)                      # the tail paid there: it keeps being chosen
     assert gate.ratio(16, TAIL) > 1 and gate.mode(16) == TAIL
 
 
 def test_where_the_tail_barely_pays_a_plain_call_checks_the_price_too():
-    gate = CallGate()
+    gate = checked(16)
     barely = 1.0 + (CALIBRATE_BELOW - 1) / 2
     for _ in range(MIN_CALLS):
-        gate.record(16, 1.0, 1.2)
-    for _ in range(MIN_CALLS):
-        assert gate.mode(16) == TAIL
-        gate.record(16, barely, 1.0, TAIL)
-    gate.record(16, 1.0, 1.2)                            # the re-check loses: a stretch...
-    assert gate.mode(16) == PLAIN                        # ...whose first call checks the price
-    gate.calibrate(16, 1.0, 1.0)
-    assert gate.mode(16) == TAIL
-
-
-def test_plain_calls_calibrate_the_price_by_a_decayed_geometric_mean_of_cost_over_price():
-    gate = CallGate()
-    assert gate.calibration(16) == 1.0                   # nothing checked: the model's price as it is
-    gate.calibrate(16, float("nan"), 1.0)
-    gate.calibrate(16, 0.0, 1.0)
-    assert gate.calibration(16) == 1.0
-    gate.calibrate(16, 2.0, 1.0)
-    assert gate.calibration(16) == pytest.approx(0.5)
-    gate.calibrate(16, 1.0, 1.0)
-    expected = math.exp((DECAY * math.log(0.5) + 0.0) / (DECAY + 1.0))
-    assert gate.calibration(16) == pytest.approx(expected) and gate.calibration(8) == 1.0
+        gate.record(16, 0.0, 1.0, 1.2)                   # speculating from the start loses: stretches of TAIL calls
+    modes = []
+    for _ in range(3 * CALIBRATE_EVERY):
+        modes.append(mode := gate.mode(16))
+        if mode == PLAIN:
+            gate.calibrate(16, 1.0, 1.0)
+        else:
+            gate.record(16, 0.0, *((barely, 1.0, TAIL) if mode == TAIL else (1.0, 1.2)))
+    first = modes.index(PLAIN)
+    assert MIN_CALLS + first >= CALIBRATE_EVERY and modes[first - 1] == TAIL    # a TAIL call was due: checked
+    assert modes.count(PLAIN) >= 2 and PLAIN not in (modes[first + 1], modes[-1])
 
 
 def losing(engine: TorchEngine, bucket: int) -> None:
     """The engine's gate as after speculating calls of `bucket` that cost twice plain decoding's price."""
+    engine.gate.calibrate(bucket, 1.0, 1.0)
     for _ in range(MIN_CALLS):
-        engine.gate.record(bucket, 1.0, 2.0)
+        engine.gate.record(bucket, 0.0, 1.0, 2.0)
 
 
 def test_a_paused_call_is_plain_decoding_and_its_tokens_still_reach_the_history(tiny_policy, tiny_heads):
@@ -205,14 +222,14 @@ def test_a_paused_call_checks_the_cost_models_price_and_later_estimates_carry_th
     priced, checked = [], []
     price = engine._plain_price
     monkeypatch.setattr(engine, "_plain_price", lambda *a: priced.append(price(*a)) or priced[-1])
+    losing(engine, len(MIXED_PROMPTS))                   # (its price checked once, found right)
     calibrate = engine.gate.calibrate
     monkeypatch.setattr(engine.gate, "calibrate", lambda *a: checked.append(a) or calibrate(*a))
-    losing(engine, len(MIXED_PROMPTS))
     paused = engine.generate(MIXED_PROMPTS, sp)
     assert paused.speculation_paused and len(priced) == 1 and math.isfinite(priced[0]) and priced[0] > 0
     (bucket, priced_s, spent_s), = checked
     assert bucket == len(MIXED_PROMPTS) and priced_s == priced[0] and 0 < spent_s <= paused.wall_time_s
-    assert engine.gate.calibration(bucket) == pytest.approx(spent_s / priced_s)
+    assert engine.gate.calibration(bucket) == pytest.approx(math.exp(math.log(spent_s / priced_s) / (DECAY + 1)))
     # a speculating call's estimate: the prefill as timed plus the model's price times the correction
     engine.gate = CallGate()
     engine.gate.calibrate(bucket, 1.0, 1.5)
@@ -221,6 +238,7 @@ def test_a_paused_call_checks_the_cost_models_price_and_later_estimates_carry_th
     record = engine.gate.record
     monkeypatch.setattr(engine.gate, "record", lambda *a: recorded.append(a) or record(*a))
     out = engine.generate(MIXED_PROMPTS, sp)
-    (_, plain_s, spent_s, _), = recorded
-    assert not out.speculation_paused and 15.0 < plain_s < 15.0 + spent_s
-    assert out.plain_estimate_s == pytest.approx(out.wall_time_s * plain_s / spent_s)
+    (_, prefill_s, priced_s, spent_s, _), = recorded
+    assert not out.speculation_paused and priced_s == 10.0 and 0 < prefill_s < spent_s
+    assert out.plain_estimate_s == pytest.approx(out.wall_time_s * (prefill_s + 15.0) / spent_s)
+    assert engine.gate.ratio(bucket) == pytest.approx((prefill_s + 15.0) / spent_s)

@@ -22,8 +22,10 @@ def tail_calls(engine: TorchEngine, num_rows: int) -> None:
     """The engine's gate as after speculating calls of num_rows' bucket that cost twice plain decoding's price:
     its next calls run TAIL."""
     from rollout.engine.config import bucket
+    b = bucket(num_rows, engine.config.batch_buckets)
+    engine.gate.calibrate(b, 1.0, 1.0)                        # the gate judges a bucket once its price is checked
     for _ in range(MIN_CALLS):
-        engine.gate.record(bucket(num_rows, engine.config.batch_buckets), 1.0, 2.0)
+        engine.gate.record(b, 0.0, 1.0, 2.0)
 
 
 def stopping_sampling(policy, prompts, **overrides) -> SamplingParams:
@@ -130,11 +132,11 @@ def test_sequence_distribution_unchanged_by_drafting_from_the_switch_on(attentio
 
 
 def test_a_tail_call_whose_rows_never_move_is_a_plain_call_and_checks_the_price(monkeypatch):
-    """Rows that all run to max_new_tokens never leave the full batch: the TAIL call is plain decoding (its
-    tokens), counts as paused, checks the plain price, and its tokens still reach the history."""
+    """Rows that could stop but all run to max_new_tokens never leave the full batch: the TAIL call is plain
+    decoding (its tokens), counts as paused, checks the plain price, and its tokens still reach the history."""
     policy = random_model(attention_config("sdpa"), seed=0)
     engine = TorchEngine(policy, random_heads(policy, 2, seed=0))
-    sp = SamplingParams(max_new_tokens=12, temperature=1.0, ignore_eos=True, num_draft_tokens=2, seed=3)
+    sp = SamplingParams(max_new_tokens=4, temperature=1.0, num_draft_tokens=2, seed=3)      # EOS may stop rows
     engine.generate(MIXED_PROMPTS, sp)                        # the cost model times this bucket's rounds
     tail_calls(engine, len(MIXED_PROMPTS))
     modes, checked = [], []
@@ -144,6 +146,7 @@ def test_a_tail_call_whose_rows_never_move_is_a_plain_call_and_checks_the_price(
     monkeypatch.setattr(engine.gate, "calibrate", lambda *a: checked.append(a) or calibrate(*a))
     out = engine.generate(MIXED_PROMPTS, sp)
     plain = TorchEngine(policy).generate(MIXED_PROMPTS, replace(sp, num_draft_tokens=0))
+    assert {len(c.tokens) for c in plain.completions} == {sp.max_new_tokens}     # no row stopped early
     assert modes == [TAIL] and len(checked) == 1
     assert out.speculation_paused and not out.speculation_tail_only and out.spec_stats().num_drafts == 0
     assert [c.tokens for c in out.completions] == [c.tokens for c in plain.completions]
@@ -164,24 +167,29 @@ def test_a_switched_tail_call_is_priced_as_a_tail_call_and_reaches_the_monitor_a
     record = engine.gate.record
     monkeypatch.setattr(engine.gate, "record", lambda *a: recorded.append(a) or record(*a))
     out = engine.generate(prompts, sp)
-    (bucket, plain_s, spent_s, mode), = recorded
+    (bucket, prefill_s, priced_s, spent_s, mode), = recorded
+    plain_s = prefill_s + priced_s * engine.gate.calibration(bucket)
     assert out.speculation_tail_only and mode == TAIL and bucket == len(prompts)
-    assert plain_s > 0 and spent_s > 0 and out.plain_estimate_s == pytest.approx(out.wall_time_s * plain_s / spent_s)
+    assert priced_s > 0 and spent_s > 0 and out.plain_estimate_s == pytest.approx(out.wall_time_s * plain_s / spent_s)
     assert engine.gate.ratio(bucket, TAIL) == pytest.approx(plain_s / spent_s)
     with AcceptanceMonitor(MonitorConfig(str(tmp_path), plots=False, tensorboard=False, n_boot=0)) as mon:
         record = mon.record_step(0, out)
     assert record["speculation_tail_only"] is True and record["speculation_paused"] is False
 
 
-def test_an_eagle3_drafter_never_runs_tail_calls():
-    """A drafter reading the policy's intermediate layers would need their states at every position, which
-    plain rounds do not keep: its calls in a stretch run PLAIN."""
+def test_tail_calls_only_where_rows_can_stop_early_and_the_drafter_reads_final_states():
+    """Rows that cannot stop early (no EOS, no stop token) all finish in the same round: a TAIL call would be plain
+    decoding with a drafting engine's overheads. A drafter reading the policy's intermediate layers would need
+    their states at every position, which plain rounds do not keep. Either way a stretch's calls run PLAIN."""
     policy = random_model(attention_config("sdpa"), seed=0)
     engine = TorchEngine(policy, random_heads(policy, 1, seed=0))
-    assert engine._tail_possible()
+    stops = SamplingParams(max_new_tokens=8, num_draft_tokens=2)
+    assert engine._tail_possible(stops)
+    assert engine._tail_possible(replace(stops, ignore_eos=True, stop_token_ids=(5,)))
+    assert not engine._tail_possible(replace(stops, ignore_eos=True))
     engine.heads.aux_layer_ids = (0, 1)
-    assert not engine._tail_possible()
-    assert TorchEngine(policy, config=EngineConfig(draft_sources=("history",)))._tail_possible()
+    assert not engine._tail_possible(stops)
+    assert TorchEngine(policy, config=EngineConfig(draft_sources=("history",)))._tail_possible(stops)
 
 
 def test_a_plain_call_whose_rows_move_into_smaller_buckets_stays_plain(monkeypatch):
@@ -194,9 +202,10 @@ def test_a_plain_call_whose_rows_move_into_smaller_buckets_stays_plain(monkeypat
     sp = stopping_sampling(policy, prompts, num_draft_tokens=3)
     first = engine.generate(prompts, sp)                      # the cost model times this bucket's rounds
     b = bucket(len(prompts), engine.config.batch_buckets)
+    engine.gate.calibrate(b, 1.0, 1.0)
     for _ in range(MIN_CALLS):
-        engine.gate.record(b, 1.0, 2.0)
-        engine.gate.record(b, 1.0, 2.0, TAIL)
+        engine.gate.record(b, 0.0, 1.0, 2.0)
+        engine.gate.record(b, 0.0, 1.0, 2.0, TAIL)
     compactions, checked = [], []
     compact = engine._compact
     monkeypatch.setattr(engine, "_compact", lambda *a: compactions.append(1) or compact(*a))

@@ -30,10 +30,13 @@ call pays around them: it priced plain calls a few percent above what they cost 
 "the plain price, checked against plain calls"), enough to keep speculating calls that lost. So the
 gate checks the price against plain calls of the bucket (PLAIN calls, and TAIL calls that never
 switched): each is priced by the model too, and the ratio of its cost to that price (a geometric mean,
-decayed by DECAY per such call) scales the bucket's later estimates (`calibration`). Where the mode a call
-would take recently paid by less than CALIBRATE_BELOW and no plain call has run for CALIBRATE_EVERY of the
-bucket's priced calls, the next call runs plain to check (first once MIN_CALLS are priced). Where it paid
-by more than a price's error could hide, no call is spent on checking; where it lost, the stretches check.
+decayed by DECAY per such call) scales the bucket's later estimates (`calibration`) and the prices of the
+calls already held, which are kept uncorrected. The model's error has either sign (4% high at batch 8 and
+fixed length, 5% low at batch 16 stopping at EOS), so a bucket is judged only once its price has been
+checked: its first check is due as soon as MIN_CALLS calls are priced, and judges them. After that, where the
+mode a call would take recently paid by less than CALIBRATE_BELOW and no plain call has run for
+CALIBRATE_EVERY of the bucket's priced calls, the next call runs plain to check. Where it paid by more than a
+price's error could hide, no more calls are spent on checking; where it lost, the stretches check.
 """
 from __future__ import annotations
 
@@ -51,8 +54,9 @@ SPECULATE, TAIL, PLAIN = "speculate", "tail", "plain"
 
 class CallGate:
     def __init__(self) -> None:
-        # (bucket, mode) -> (calls, decayed plain s, decayed spent s) of the mode's priced calls
-        self._priced: dict[tuple[int, str], tuple[int, float, float]] = {}
+        # (bucket, mode) -> (calls, decayed plain s, decayed spent s) of the mode's priced calls; the plain
+        # seconds are (the part no correction applies to, the cost model's price), calibrated when judged
+        self._priced: dict[tuple[int, str], tuple[int, tuple[float, float], float]] = {}
         self._skip: dict[tuple[int, str], int] = {}     # (bucket, mode) -> length of its next stretch away
         self._left: dict[tuple[int, str], int] = {}     # (bucket, mode) -> calls left in the current one
         self._since_plain: dict[int, int] = {}          # bucket -> priced calls since its last plain one
@@ -76,36 +80,51 @@ class CallGate:
         return left > 0
 
     def _check_due(self, bucket: int, mode: str) -> bool:
-        """Whether the bucket's next call should run plain to check the plain price: the mode's priced
-        calls barely paid and none of the bucket's has run plain for CALIBRATE_EVERY priced calls."""
-        return (self._priced.get((bucket, mode), (0,))[0] >= MIN_CALLS and 1.0 <= self.ratio(bucket, mode) < CALIBRATE_BELOW
-                and self._since_plain.get(bucket, CALIBRATE_EVERY) >= CALIBRATE_EVERY)
+        """Whether the bucket's next call should run plain to check the plain price: the mode has its
+        priced calls, none of the bucket's calls has run plain for CALIBRATE_EVERY priced calls, and the
+        price was never checked or the mode's calls barely paid."""
+        return (self._priced.get((bucket, mode), (0,))[0] >= MIN_CALLS
+                and self._since_plain.get(bucket, CALIBRATE_EVERY) >= CALIBRATE_EVERY
+                and (bucket not in self._checks or 1.0 <= self.ratio(bucket, mode) < CALIBRATE_BELOW))
 
     def calibrate(self, bucket: int, priced_seconds: float, seconds: float) -> None:
-        """A plain call of `bucket` rows took `seconds` where the cost model priced it at `priced_seconds`."""
+        """A plain call of `bucket` rows took `seconds` where the cost model priced it at `priced_seconds`.
+        The bucket's first check judges the calls priced before it (later ones are judged as they come)."""
         self._since_plain[bucket] = 0
         if not (priced_seconds > 0 and seconds > 0):
             return
+        first = bucket not in self._checks
         calls, log_ratio = self._checks.get(bucket, (0.0, 0.0))
         self._checks[bucket] = (calls * DECAY + 1.0, log_ratio * DECAY + math.log(seconds / priced_seconds))
+        for mode in (SPECULATE, TAIL):
+            if first and (bucket, mode) in self._priced:
+                self._judge(bucket, mode)
 
     def calibration(self, bucket: int) -> float:
         """What plain calls of `bucket` recently cost over the cost model's price for them (1: none checked)."""
         calls, log_ratio = self._checks.get(bucket, (0.0, 0.0))
         return math.exp(log_ratio / calls) if calls > 0 else 1.0
 
-    def record(self, bucket: int, plain_seconds: float, seconds: float, mode: str = SPECULATE) -> None:
+    def record(self, bucket: int, fixed_seconds: float, priced_seconds: float, seconds: float,
+               mode: str = SPECULATE) -> None:
         """A call of `bucket` rows that drafted in `mode` (SPECULATE or TAIL) took `seconds` where plain
-        decoding is estimated at `plain_seconds` (the same clock; calibrated)."""
-        if not (plain_seconds > 0 and seconds > 0):
+        decoding is estimated at fixed_seconds (as timed: the prefill) + priced_seconds (the cost model's
+        price for the rest, before `calibration`), all on one clock."""
+        if not (priced_seconds > 0 and seconds > 0 and fixed_seconds >= 0):
             return
         # before its first plain call a bucket counts as long unchecked: its first check is due once priced
         self._since_plain[bucket] = self._since_plain.get(bucket, CALIBRATE_EVERY) + 1
         key = (bucket, mode)
-        calls, plain, spent = self._priced.get(key, (0, 0.0, 0.0))
-        calls, plain, spent = calls + 1, plain * DECAY + plain_seconds, spent * DECAY + seconds
-        self._priced[key] = (calls, plain, spent)
-        if calls >= MIN_CALLS and spent > plain:
+        calls, (fixed, priced), spent = self._priced.get(key, (0, (0.0, 0.0), 0.0))
+        self._priced[key] = (calls + 1, (fixed * DECAY + fixed_seconds, priced * DECAY + priced_seconds),
+                             spent * DECAY + seconds)
+        self._judge(bucket, mode)
+
+    def _judge(self, bucket: int, mode: str) -> None:
+        """Leave `mode` for a stretch where its priced calls lose against the checked price (a bucket whose
+        price was never checked is judged once it is: its first check is due first), else keep it."""
+        key = (bucket, mode)
+        if self._priced[key][0] >= MIN_CALLS and bucket in self._checks and self.ratio(bucket, mode) < 1.0:
             skip = self._skip.get(key, FIRST_SKIP)
             self._left[key] = skip
             self._skip[key] = min(2 * skip, MAX_SKIP)
@@ -113,9 +132,9 @@ class CallGate:
             self._skip[key] = FIRST_SKIP
 
     def ratio(self, bucket: int, mode: str = SPECULATE) -> float:
-        """The mode's recent calls' plain price over their cost (> 1: it paid; nan: none priced)."""
-        _, plain, spent = self._priced.get((bucket, mode), (0, 0.0, 0.0))
-        return plain / spent if spent > 0 else float("nan")
+        """The mode's recent calls' calibrated plain price over their cost (> 1: it paid; nan: none priced)."""
+        _, (fixed, priced), spent = self._priced.get((bucket, mode), (0, (0.0, 0.0), 0.0))
+        return (fixed + priced * self.calibration(bucket)) / spent if spent > 0 else float("nan")
 
     def heads_changed(self) -> None:
         """New head weights: the next call of every bucket speculates (a re-check), stretches start short."""

@@ -117,7 +117,7 @@ def run_round(ctx: RoundContext, st: DecodeState, view: RowView, chooser: DraftC
     """One round; `chooser` None = every unfinished row drafts k_fixed tokens from the heads."""
     sp, dev = ctx.sampling, st.seq.device
     B = st.batch
-    set_read_window(ctx, st, ctx.k_max)
+    set_read_window(ctx, st, ctx.k_max if chooser is not None else k_fixed)   # a plain round: plain decoding's window
     c = st.committed
     active = ~st.finished
     keys = KeyedDraws(ctx.seed, st.row_ids, c)      # column j: the token at position c + j
