@@ -60,7 +60,7 @@ class TorchEngine:
         self._caches: dict[tuple[int, int], Cache] = {}   # (batch bucket, length) -> static target cache
         self.chooser: DraftChooser | None = None       # per-row drafting decisions, kept across calls
         self.history: RolloutHistory | None = None     # earlier rollouts to draft from, kept across calls
-        self.gate = CallGate()                         # which batch sizes' calls run plain, kept across calls
+        self.gate = CallGate()                         # how each batch size's calls decode, kept across calls
         self.times = PhaseTimes(enabled=self.config.profile)  # of the last generate() call
         if heads is not None:
             self.set_heads(heads, head_version)
