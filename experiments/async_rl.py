@@ -425,8 +425,8 @@ def rollout_speed(rows: list[dict]) -> str:
     paused = sum(bool(r.get("rollout_speculation_paused")) for r in rows)
     if paused:
         line += (f"\nspeculation paused in {paused} of {len(rows)} steps: their batch size's speculating calls had "
-                 "cost more than plain decoding, or paid so little that a plain call checked the engine's estimate "
-                 "(accelerator.workers.plain_when_slower)")
+                 "cost more than plain decoding, or a plain call checked the engine's estimate (once early on, then "
+                 "where speculation paid little) (accelerator.workers.plain_when_slower)")
     tails = sum(bool(r.get("rollout_speculation_tail_only")) for r in rows)
     if tails:
         line += (f"\nspeculation in the calls' tails only in {tails} of {len(rows)} steps: their full batch decoded plain, "
