@@ -210,8 +210,11 @@ class TorchEngine:
         finish in the same round and it would be a plain call with a drafting engine's overheads), and the
         heads' caches can be caught up from the policy's final states, which plain rounds keep (a drafter
         reading intermediate layers, EAGLE-3, would need states that plain rounds do not keep)."""
-        can_stop = bool(sampling.stop_token_ids) or not (sampling.ignore_eos or not self.policy.config.eos_token_ids)
-        return can_stop and not (getattr(self.heads, "aux_layer_ids", ()) and "heads" in self._sources())
+        return bool(self._stop_tokens(sampling)) and not (getattr(self.heads, "aux_layer_ids", ()) and "heads" in self._sources())
+
+    def _stop_tokens(self, sp: SamplingParams) -> set[int]:
+        """The tokens that end a row: the request's stop tokens, and the model's EOS unless ignored."""
+        return set(sp.stop_token_ids) | (set() if sp.ignore_eos else set(self.policy.config.eos_token_ids))
 
     def _start_drafting(self, ctx: RoundContext, st: DecodeState, results: Results, prompts: list[list[int]],
                         history: RolloutHistory | None) -> list[int] | None:
@@ -317,7 +320,7 @@ class TorchEngine:
         lengths = lengths.to(dev)
         row_ids = torch.arange(B, device=dev).masked_fill(torch.arange(B, device=dev) >= B0, -1)
         seed = sp.seed if sp.seed is not None else int(torch.randint(0, 2**62, ()).item())
-        stop = set(sp.stop_token_ids) | (set() if sp.ignore_eos else set(self.policy.config.eos_token_ids))
+        stop = self._stop_tokens(sp)
         ctx = RoundContext(self.policy, heads, self.forwards, sp, seed,
                            torch.tensor(sorted(stop) or [-2], dtype=torch.long, device=dev),
                            ecfg.verify_widths, head_width, self.times, k, clock=cost_clock(dev))
