@@ -28,6 +28,7 @@ import sys
 import time
 from dataclasses import dataclass, field, replace
 
+import numpy as np
 import torch
 
 from experiments.common import check_device, machine
@@ -181,6 +182,7 @@ def bench(policy, heads, cfg: BenchDecodeConfig, batches: dict[int, list], label
             row = dict(engine=label, batch=B, setting=name, temperature=cfg.temperature, tok_s=med("tok_s"),
                        ratio_to_plain=statistics.median(ratios), all_ratios=ratios,
                        pooled_ratio=pooled_tok_s(rs) / pooled_tok_s(runs["plain"]),
+                       pooled_interval=pooled_ratio_interval(rs, runs["plain"]),
                        speedup_estimate=med("speedup_estimate"), margin=med("margin"),
                        paused=sum(x["paused"] for x in rs), tail_only=sum(x["tail_only"] for x in rs),
                        price_check=rs[-1]["price_check"],
@@ -193,7 +195,7 @@ def bench(policy, heads, cfg: BenchDecodeConfig, batches: dict[int, list], label
             rows.append(row)
             ph = " ".join(f"{p} {v:.1f}" for p, v in row["phase_ms"].items())
             print(f"{label:<10} T={cfg.temperature} B={B:<2} {name:<8} {row['tok_s']:7.1f} tok/s  x{row['ratio_to_plain']:.3f}"
-                  f"  [{min(row['all_ratios']):.2f}-{max(row['all_ratios']):.2f}] pooled x{row['pooled_ratio']:.3f} (engine's estimate x{row['speedup_estimate']:.3f}, margin {row['margin']:.2f}, plain calls {row['paused']}/{len(rs)}, tail only {row['tail_only']}/{len(rs)}, price check x{row['price_check']:.3f})"
+                  f"  [{min(row['all_ratios']):.2f}-{max(row['all_ratios']):.2f}] pooled x{row['pooled_ratio']:.3f} (95% {row['pooled_interval'][0]:.2f}-{row['pooled_interval'][1]:.2f}; engine's estimate x{row['speedup_estimate']:.3f}, margin {row['margin']:.2f}, plain calls {row['paused']}/{len(rs)}, tail only {row['tail_only']}/{len(rs)}, price check x{row['price_check']:.3f})"
                   f"  acc {row['acceptance'] if row['acceptance'] is not None else float('nan'):.3f}"
                   f"  tok/row {row['tokens_per_row']:.0f}  tok/round/row {row['tokens_per_round']:.2f}  drafts/row-round {row['mean_drafts']:.2f}"
                   f"  share heads {row['share']['heads']:.2f} history {row['share']['history']:.2f}  ms/round: {ph}",
@@ -215,12 +217,26 @@ def pooled_tok_s(runs: list[dict]) -> float:
     return sum(r["tokens"] for r in runs) / sum(r["decode_s"] for r in runs)
 
 
+def pooled_ratio_interval(runs: list[dict], plain_runs: list[dict], n_boot: int = 2000,
+                          seed: int = 0) -> tuple[float, float]:
+    """95% percentile interval of the pooled ratio to plain, from resampling the repeats (each repeat's
+    setting and plain run together: they decoded the same batch). Where rows stop at EOS the settings'
+    lengths differ from repeat to repeat and the pooled ratio moved by 5% between runs of one cell; the
+    interval says whether a run resolves the difference it is read for."""
+    tokens, seconds = (np.array([r[key] for r in runs], dtype=float) for key in ("tokens", "decode_s"))
+    plain_tokens, plain_seconds = (np.array([r[key] for r in plain_runs], dtype=float) for key in ("tokens", "decode_s"))
+    picks = np.random.default_rng(seed).integers(0, len(runs), size=(n_boot, len(runs)))     # [n_boot, repeats]
+    ratios = (tokens[picks].sum(1) / seconds[picks].sum(1)) / (plain_tokens[picks].sum(1) / plain_seconds[picks].sum(1))
+    low, high = np.percentile(ratios, [2.5, 97.5])
+    return float(low), float(high)
+
+
 def append_log(path: str, argv: list[str], heads_desc: str, rows: list[dict]) -> None:
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     lines = [f"\n## {dt.date.today().isoformat()} bench_decode (commit {commit})\n",
              f"Command: `python -m experiments.bench_decode {' '.join(argv)}`  ",
              f"Machine: {machine()}  ", f"Heads: {heads_desc}\n",
-             "| engine | T | batch | setting | tok/s | x plain (range) | pooled x plain | tokens per row | acceptance | "
+             "| engine | T | batch | setting | tok/s | x plain (range) | pooled x plain (95% interval) | tokens per row | acceptance | "
              "drafts per row-round | token share heads / history | draft / verify / accept / commit ms per round | "
              "calls run plain / drafting only in their tails (plain_when_slower) | plain calls' cost / the model's price |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -228,7 +244,7 @@ def append_log(path: str, argv: list[str], heads_desc: str, rows: list[dict]) ->
         acc = f"{r['acceptance']:.3f}" if r["acceptance"] is not None else "-"
         ph = " / ".join(f"{v:.1f}" for v in r["phase_ms"].values())
         lines.append(f"| {r['engine']} | {r['temperature']} | {r['batch']} | {r['setting']} | {r['tok_s']:.1f} | "
-                     f"{r['ratio_to_plain']:.3f} ({min(r['all_ratios']):.2f}-{max(r['all_ratios']):.2f}) | {r['pooled_ratio']:.3f} | "
+                     f"{r['ratio_to_plain']:.3f} ({min(r['all_ratios']):.2f}-{max(r['all_ratios']):.2f}) | {r['pooled_ratio']:.3f} ({r['pooled_interval'][0]:.2f}-{r['pooled_interval'][1]:.2f}) | "
                      f"{r['tokens_per_row']:.0f} | {acc} | "
                      f"{r['mean_drafts']:.2f} | {r['share']['heads']:.2f} / {r['share']['history']:.2f} | {ph} | "
                      f"{r['paused']} / {r['tail_only']} of {len(r['all_ratios'])} | {r['price_check']:.3f} |")

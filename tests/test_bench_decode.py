@@ -65,5 +65,28 @@ def test_the_log_table_has_a_cell_for_every_column(fake_runs, tmp_path):
     table = [ln for ln in (tmp_path / "LOG.md").read_text().splitlines() if ln.startswith("|")]
     assert len(table) == 2 + len(rows)
     assert {ln.count("|") for ln in table} == {table[0].count("|")}
-    assert "| 0.875 | 175 |" in table[-1]          # both's pooled ratio and tokens per row
+    assert "| 0.875 (0.67-1.50) | 175 |" in table[-1]    # both's pooled ratio (its interval) and tokens per row
     assert table[-1].endswith("| 0 / 2 of 2 | 0.950 |")   # calls run plain / tail only, and the price check
+
+
+def _runs(pairs):
+    return [dict(tokens=t, decode_s=s) for t, s in pairs]
+
+
+def test_the_pooled_interval_resamples_each_repeat_with_its_plain_run():
+    # every repeat 1.2x plain's tok/s, with lengths (and so call times) that differ a lot between repeats:
+    # resampled in pairs the pooled ratio is 1.2 in every resample; resampled apart it would scatter
+    plain = _runs([(100, 1.0), (800, 4.0), (300, 3.0), (50, 0.5)])
+    both = _runs([(120, 1.0), (960, 4.0), (360, 3.0), (60, 0.5)])
+    low, high = bd.pooled_ratio_interval(both, plain)
+    assert low == pytest.approx(1.2) and high == pytest.approx(1.2)
+
+
+def test_the_pooled_interval_holds_the_pooled_ratio_and_narrows_with_more_repeats():
+    plain = _runs([(100, 1.0)] * 4)
+    both = _runs([(150, 1.0), (80, 1.0), (120, 1.0), (90, 1.0)])
+    low, high = bd.pooled_ratio_interval(both, plain)
+    assert low < 440 / 400 < high and low >= 0.8 and high <= 1.5
+    low4, high4 = bd.pooled_ratio_interval(both * 4, plain * 4)
+    assert low4 < 440 / 400 < high4 and high4 - low4 < 0.7 * (high - low)
+    assert bd.pooled_ratio_interval(both[:1], plain[:1]) == pytest.approx((1.5, 1.5))   # one repeat: no spread
