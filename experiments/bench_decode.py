@@ -221,8 +221,8 @@ def pooled_ratio_interval(runs: list[dict], plain_runs: list[dict], n_boot: int 
                           seed: int = 0) -> tuple[float, float]:
     """95% percentile interval of the pooled ratio to plain, from resampling the repeats (each repeat's
     setting and plain run together: they decoded the same batch). Where rows stop at EOS the settings'
-    lengths differ from repeat to repeat and the pooled ratio moved by 5% between runs of one cell; the
-    interval says whether a run resolves the difference it is read for."""
+    lengths differ from repeat to repeat, and runs of one cell scatter by several percent; the interval
+    says whether a run resolves the difference it is read for."""
     tokens, seconds = (np.array([r[key] for r in runs], dtype=float) for key in ("tokens", "decode_s"))
     plain_tokens, plain_seconds = (np.array([r[key] for r in plain_runs], dtype=float) for key in ("tokens", "decode_s"))
     picks = np.random.default_rng(seed).integers(0, len(runs), size=(n_boot, len(runs)))     # [n_boot, repeats]
