@@ -133,6 +133,10 @@ class TorchEngine:
         can_stop = bool((ctx.stop_ids >= 0).any())         # else every row runs to max_new_tokens
         handles = (self._begin_history(history, prompts, st.seq, st.prompt_len, st.committed)   # the first tokens
                    if history is not None and drafting else None)
+        # a PLAIN call's rounds: plain decoding's own, the engine's best plain samples; its cost model learns
+        # from them once the call has checked the model's price (so the check stays out of sample)
+        plain_rounds: list[tuple[int, int, float, float]] | None = (
+            [] if mode == PLAIN and self.chooser is not None else None)
         records: list[RoundResult] = []
         n_active = len(prompts)
         try:
@@ -164,11 +168,15 @@ class TorchEngine:
                     out = r.emitted.cpu().numpy()
                     for slot in np.flatnonzero(count > 0):
                         history.append(handles[int(view.row_ids[slot])], out[slot, :count[slot]].tolist())
-                if chooser is not None and self.forwards.compile_time_s == compile_s:   # a compiling round is no sample
+                timed = chooser is not None or plain_rounds is not None
+                if timed and self.forwards.compile_time_s == compile_s:   # a compiling round is no sample
                     seconds = clock() - t_round
                     context = float(before.cpu().numpy()[view.active].mean()) if view.active.any() else 0.0
-                    chooser.costs.observe(st.batch, r.verified_tokens, r.plan.head_steps, seconds, context,
-                                          head_seconds=r.head_seconds)
+                    if chooser is None:
+                        plain_rounds.append((st.batch, r.verified_tokens, seconds, context))
+                    else:
+                        chooser.costs.observe(st.batch, r.verified_tokens, r.plan.head_steps, seconds, context,
+                                              head_seconds=r.head_seconds)
                     if choosing is not None:
                         chooser.settle(st.batch, r.plan, int(view.active.sum()), r.plan.worth(count), seconds,
                                        context, view.plain_rows(st.batch))
@@ -183,6 +191,8 @@ class TorchEngine:
         if not drafting and self.chooser is not None:     # a plain call: what it cost against the cost model's price
             self.gate.calibrate(call_bucket, self._plain_price(self.chooser, prompts, results, st),
                                 clock() - cost0 - plain_prefill_cost)
+            for bucket_rows, tokens, seconds, context in plain_rounds or ():
+                self.chooser.costs.observe(bucket_rows, tokens, 0, seconds, context)
         batch = completions_mod.build(prompts, results, records, sampling, self.policy_version, self.head_version)
         if not drafting:       # later calls still draft from what this one generated
             self.remember([(p, c.tokens, self.policy_version) for p, c in zip(prompts, batch.completions)])

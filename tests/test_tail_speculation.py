@@ -219,6 +219,32 @@ def test_a_plain_call_whose_rows_move_into_smaller_buckets_stays_plain(monkeypat
     assert out.history_sizes["responses"] == 2 * first.history_sizes["responses"] > 0
 
 
+def test_a_plain_calls_rounds_teach_the_cost_model_after_its_check(monkeypatch):
+    """A PLAIN call's rounds are plain decoding's own: the engine's cost model learns its plain prices from them,
+    but only once the call has checked the model's price, so the check compares the call with the price from
+    before it."""
+    from rollout.engine.call_gate import PLAIN
+    from rollout.engine.config import bucket
+    policy = random_model(attention_config("sdpa", vocab_size=32), seed=1)
+    engine = TorchEngine(policy, random_heads(policy, 2, seed=2))
+    prompts = MIXED_PROMPTS * 2
+    sp = stopping_sampling(policy, prompts, num_draft_tokens=3)
+    engine.generate(prompts, sp)                              # a speculating call: the engine's chooser and costs
+    events = []
+    costs, calibrate = engine.chooser.costs, engine.gate.calibrate
+    observe = costs.observe
+    monkeypatch.setattr(costs, "observe", lambda *a, **k: events.append(("observe", a)) or observe(*a, **k))
+    monkeypatch.setattr(engine.gate, "calibrate", lambda *a: events.append(("check", a)) or calibrate(*a))
+    monkeypatch.setattr(engine.gate, "mode", lambda *a, **k: PLAIN)
+    out = engine.generate(prompts, sp)
+    assert out.speculation_paused and out.spec_stats().num_drafts == 0
+    kinds = [kind for kind, _ in events]
+    assert kinds[0] == "check" and kinds.count("check") == 1 and len(kinds) > 1     # the check first, then its rounds
+    rounds = [a for kind, a in events if kind == "observe"]
+    assert all(a[2] == 0 and a[1] <= a[0] for a in rounds)          # plain rounds: no head steps, one token a row
+    assert {a[0] for a in rounds} >= {bucket(len(prompts), engine.config.batch_buckets)}
+
+
 @pytest.mark.parametrize("tail", [False, True])
 def test_a_calls_history_holds_what_remember_would_store_of_its_completions(tail):
     """Speculating from the start (first tokens from the prefill, the rest round by round) or from the switch

@@ -33,7 +33,10 @@ switched): each is priced by the model too, and the ratio of its cost to that pr
 decayed by DECAY per such call) scales the bucket's later estimates (`calibration`) and the prices of the
 calls already held, which are kept uncorrected. The model's error has either sign (4% high at batch 8 and
 fixed length, 5% low at batch 16 stopping at EOS), so a bucket is judged only once its price has been
-checked: its first check is due as soon as MIN_CALLS calls are priced, and judges them. After that, where the
+checked: its first check is due as soon as MIN_CALLS calls are priced, and judges them. Once a PLAIN call
+has checked the price, the model learns its plain prices from that call's rounds too (TorchEngine.generate): the
+plain rounds inside drafting calls are few per bucket, and prices built on them alone were off by -14% to +10%
+at batch 16 stopping at EOS (experiments/LOG.md). After that, where the
 mode a call would take recently paid by less than CALIBRATE_BELOW and no plain call has run for
 CALIBRATE_EVERY of the bucket's priced calls, the next call runs plain to check. Where it paid by more than a
 price's error could hide, no more calls are spent on checking; where it lost, the stretches check.
