@@ -191,8 +191,8 @@ class TorchEngine:
         if not drafting and self.chooser is not None:     # a plain call: what it cost against the cost model's price
             self.gate.calibrate(call_bucket, self._plain_price(self.chooser, prompts, results, st),
                                 clock() - cost0 - plain_prefill_cost)
-            for bucket_rows, tokens, seconds, context in plain_rounds or ():
-                self.chooser.costs.observe(bucket_rows, tokens, 0, seconds, context)
+            for round_bucket, tokens, seconds, context in plain_rounds or ():
+                self.chooser.costs.observe(round_bucket, tokens, 0, seconds, context)
         batch = completions_mod.build(prompts, results, records, sampling, self.policy_version, self.head_version)
         if not drafting:       # later calls still draft from what this one generated
             self.remember([(p, c.tokens, self.policy_version) for p, c in zip(prompts, batch.completions)])
