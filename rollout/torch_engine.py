@@ -220,7 +220,8 @@ class TorchEngine:
         finish in the same round and it would be a plain call with a drafting engine's overheads), and the
         heads' caches can be caught up from the policy's final states, which plain rounds keep (a drafter
         reading intermediate layers, EAGLE-3, would need states that plain rounds do not keep)."""
-        return bool(self._stop_tokens(sampling)) and not (getattr(self.heads, "aux_layer_ids", ()) and "heads" in self._sources())
+        reads_intermediate_layers = bool(getattr(self.heads, "aux_layer_ids", ())) and "heads" in self._sources()
+        return bool(self._stop_tokens(sampling)) and not reads_intermediate_layers
 
     def _stop_tokens(self, sp: SamplingParams) -> set[int]:
         """The tokens that end a row: the request's stop tokens, and the model's EOS unless ignored."""
