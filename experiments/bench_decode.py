@@ -13,7 +13,8 @@ default, which runs a batch size's calls plain where speculating them recently c
 `both_always` speculates in every call). Within a repeat every setting decodes the same batch, in turn (the order reversed every
 other repeat); medians over repeats of tok/s and of the per-repeat ratio to plain are printed with
 acceptance, tokens per round, the share of tokens from each source and the per-round time of draft /
-verify / accept / commit.
+verify / accept / commit, and of the engine's host work around the round (the row view, what the chooser,
+the cost model and the history learn from it).
 
 Function API (used by the vLLM side-by-side bench): `make_engine(...)` and
 `run_ours(engine, prompts, sampling) -> dict` (one timed generate with its breakdown).
@@ -237,7 +238,7 @@ def append_log(path: str, argv: list[str], heads_desc: str, rows: list[dict]) ->
              f"Command: `python -m experiments.bench_decode {' '.join(argv)}`  ",
              f"Machine: {machine()}  ", f"Heads: {heads_desc}\n",
              "| engine | T | batch | setting | tok/s | x plain (range) | pooled x plain (95% interval) | tokens per row | acceptance | "
-             "drafts per row-round | token share heads / history | draft / verify / accept / commit ms per round | "
+             "drafts per row-round | token share heads / history | draft / verify / accept / commit / host ms per round | "
              "calls run plain / drafting only in their tails (plain_when_slower) | plain calls' cost / the model's price |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:

@@ -150,36 +150,38 @@ class TorchEngine:
                 # the chooser and history learn): drafting rounds are priced with what they cost beyond
                 # a plain round's, the plain rounds of a choosing engine do none of it
                 t_round, compile_s = clock(), self.forwards.compile_time_s
-                plain = chooser is not None and (not drafting or chooser.plain_round(st.batch))
-                choosing = chooser if not plain else None
-                view = self._row_view(st, history if choosing is not None else None, handles,
-                                      k_max if choosing is not None else 0,      # the fixed lengths look at none
-                                      sampling.max_new_tokens, can_stop)
-                before = st.committed.clone()
+                with self.times.phase("host", self._device):   # the round's work outside its phases
+                    plain = chooser is not None and (not drafting or chooser.plain_round(st.batch))
+                    choosing = chooser if not plain else None
+                    view = self._row_view(st, history if choosing is not None else None, handles,
+                                          k_max if choosing is not None else 0,      # the fixed lengths look at none
+                                          sampling.max_new_tokens, can_stop)
+                    before = st.committed.clone()
                 r = run_round(ctx, st, view, choosing, 0 if plain else k_max)
-                if r.k > 0:
-                    records.append(r)
-                # the round's host synchronisation: the stop check, and what the chooser and history learn from
-                count = (st.committed - before).cpu().numpy()
-                n_active = int((~st.finished).sum())
-                if choosing is not None:
-                    chooser.observe(view, r.plan, r.num_accepted.cpu().numpy())
-                if handles is not None:
-                    out = r.emitted.cpu().numpy()
-                    for slot in np.flatnonzero(count > 0):
-                        history.append(handles[int(view.row_ids[slot])], out[slot, :count[slot]].tolist())
-                timed = chooser is not None or plain_rounds is not None
-                if timed and self.forwards.compile_time_s == compile_s:   # a compiling round is no sample
-                    seconds = clock() - t_round
-                    context = float(before.cpu().numpy()[view.active].mean()) if view.active.any() else 0.0
-                    if chooser is None:
-                        plain_rounds.append((st.batch, r.verified_tokens, seconds, context))
-                    else:
-                        chooser.costs.observe(st.batch, r.verified_tokens, r.plan.head_steps, seconds, context,
-                                              head_seconds=r.head_seconds)
+                with self.times.phase("host", self._device):
+                    if r.k > 0:
+                        records.append(r)
+                    # the round's host synchronisation: the stop check, what the chooser and history learn from
+                    count = (st.committed - before).cpu().numpy()
+                    n_active = int((~st.finished).sum())
                     if choosing is not None:
-                        chooser.settle(st.batch, r.plan, int(view.active.sum()), r.plan.worth(count), seconds,
-                                       context, view.plain_rows(st.batch))
+                        chooser.observe(view, r.plan, r.num_accepted.cpu().numpy())
+                    if handles is not None:
+                        out = r.emitted.cpu().numpy()
+                        for slot in np.flatnonzero(count > 0):
+                            history.append(handles[int(view.row_ids[slot])], out[slot, :count[slot]].tolist())
+                    timed = chooser is not None or plain_rounds is not None
+                    if timed and self.forwards.compile_time_s == compile_s:   # a compiling round is no sample
+                        seconds = clock() - t_round
+                        context = float(before.cpu().numpy()[view.active].mean()) if view.active.any() else 0.0
+                        if chooser is None:
+                            plain_rounds.append((st.batch, r.verified_tokens, seconds, context))
+                        else:
+                            chooser.costs.observe(st.batch, r.verified_tokens, r.plan.head_steps, seconds, context,
+                                                  head_seconds=r.head_seconds)
+                        if choosing is not None:
+                            chooser.settle(st.batch, r.plan, int(view.active.sum()), r.plan.worth(count), seconds,
+                                           context, view.plain_rows(st.batch))
                 if progress is not None:
                     drafted = r.num_drafts.cpu().numpy()
                     progress(int(count.sum()), int(np.minimum(r.num_accepted.cpu().numpy(), drafted).sum()),

@@ -90,3 +90,18 @@ def test_the_pooled_interval_holds_the_pooled_ratio_and_narrows_with_more_repeat
     low4, high4 = bd.pooled_ratio_interval(both * 4, plain * 4)
     assert low4 < 440 / 400 < high4 and high4 - low4 < 0.7 * (high - low)
     assert bd.pooled_ratio_interval(both[:1], plain[:1]) == pytest.approx((1.5, 1.5))   # one repeat: no spread
+
+
+def test_a_timed_call_breaks_its_rounds_down_into_every_phase_the_host_work_included(tiny_policy, tiny_heads):
+    """run_ours on a real engine: every phase of PHASES is timed, the engine's host work around each round too
+    (the row view, what the chooser and the history learn), and a plain engine's host work is not its
+    drafting phases'."""
+    from rollout.types import SamplingParams
+    prompts = [[1, 2, 3], [4, 5, 6, 7]]
+    drafting = bd.run_ours(bd.make_engine(tiny_policy, tiny_heads, compile=False), prompts,
+                           SamplingParams(max_new_tokens=12, temperature=1.0, num_draft_tokens=2, seed=0))
+    plain = bd.run_ours(bd.make_engine(tiny_policy, None, compile=False), prompts,
+                        SamplingParams(max_new_tokens=12, temperature=1.0, seed=0))
+    assert set(drafting["phase_ms"]) == set(bd.PHASES) and "host" in bd.PHASES
+    assert drafting["phase_ms"]["host"] > 0 and plain["phase_ms"]["host"] > 0
+    assert drafting["phase_ms"]["draft"] > 0 and all(v >= 0 for v in plain["phase_ms"].values())

@@ -38,7 +38,7 @@ class EngineConfig:
     # decoding runs its next calls plain, re-checked now and then (rollout.engine.call_gate). Off for
     # studies that need every call to draft (acceptance, slopes).
     plain_when_slower: bool = True
-    profile: bool = False               # time draft/verify/accept/commit per round (syncs on GPU)
+    profile: bool = False               # time draft/verify/accept/commit/host per round (syncs on GPU)
 
     def __post_init__(self):
         if not self.batch_buckets or sorted(self.batch_buckets) != list(self.batch_buckets):

@@ -30,7 +30,9 @@ from rollout.types import SamplingParams
 from rollout.verify import (DRAFT, KeyedDraws, process_logits, process_logits_with_stats, raw_log_normalizer,
                             rejection_sample, sample)
 
-PHASES = ("draft", "verify", "accept", "commit")
+# "host": the engine's work around a round (the row view, what the chooser, the cost model and the history learn
+# from it), timed by TorchEngine.generate
+PHASES = ("draft", "verify", "accept", "commit", "host")
 
 
 @dataclass
