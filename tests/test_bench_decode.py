@@ -93,9 +93,8 @@ def test_the_pooled_interval_holds_the_pooled_ratio_and_narrows_with_more_repeat
 
 
 def test_a_timed_call_breaks_its_rounds_down_into_every_phase_the_host_work_included(tiny_policy, tiny_heads):
-    """run_ours on a real engine: every phase of PHASES is timed, the engine's host work around each round too
-    (the row view, what the chooser and the history learn), and a plain engine's host work is not its
-    drafting phases'."""
+    """run_ours on real engines, drafting and plain: every phase of PHASES is timed, the engine's host work
+    around each round (the row view, what the chooser, the cost model and the history learn) included."""
     from rollout.types import SamplingParams
     prompts = [[1, 2, 3], [4, 5, 6, 7]]
     drafting = bd.run_ours(bd.make_engine(tiny_policy, tiny_heads, compile=False), prompts,
