@@ -2,6 +2,7 @@
 import pytest
 
 from experiments import bench_decode as bd
+from rollout.types import SamplingParams
 
 
 class _FakeEngine:
@@ -95,7 +96,6 @@ def test_the_pooled_interval_holds_the_pooled_ratio_and_narrows_with_more_repeat
 def test_a_timed_call_breaks_its_rounds_down_into_every_phase_the_host_work_included(tiny_policy, tiny_heads):
     """run_ours on real engines, drafting and plain: every phase of PHASES is timed, the engine's host work
     around each round (the row view, what the chooser, the cost model and the history learn) included."""
-    from rollout.types import SamplingParams
     prompts = [[1, 2, 3], [4, 5, 6, 7]]
     drafting = bd.run_ours(bd.make_engine(tiny_policy, tiny_heads, compile=False), prompts,
                            SamplingParams(max_new_tokens=12, temperature=1.0, num_draft_tokens=2, seed=0))

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 import rollout.engine.round as round_module
-from rollout.engine.call_gate import MIN_CALLS, TAIL
-from rollout.engine.config import EngineConfig
+from rollout.engine.call_gate import MIN_CALLS, PLAIN, TAIL
+from rollout.engine.config import EngineConfig, bucket
 from rollout.models.decoder import random_model
 from rollout.torch_engine import TorchEngine
 from rollout.types import SamplingParams
@@ -21,7 +21,6 @@ from tests.test_torch_engine import ATTENTION, attention_config
 def tail_calls(engine: TorchEngine, num_rows: int) -> None:
     """The engine's gate as after speculating calls of num_rows' bucket that cost twice plain decoding's price:
     its next calls run TAIL."""
-    from rollout.engine.config import bucket
     b = bucket(num_rows, engine.config.batch_buckets)
     engine.gate.calibrate(b, 1.0, 1.0)                        # the gate judges a bucket once its price is checked
     for _ in range(MIN_CALLS):
@@ -172,11 +171,11 @@ def test_a_switched_tail_call_is_priced_as_a_tail_call_and_reaches_the_monitor_a
     record = engine.gate.record
     monkeypatch.setattr(engine.gate, "record", lambda *a: recorded.append(a) or record(*a))
     out = engine.generate(prompts, sp)
-    (bucket, prefill_s, priced_s, spent_s, mode), = recorded
-    plain_s = prefill_s + priced_s * engine.gate.calibration(bucket)
-    assert out.speculation_tail_only and mode == TAIL and bucket == len(prompts)
+    (call_bucket, prefill_s, priced_s, spent_s, mode), = recorded
+    plain_s = prefill_s + priced_s * engine.gate.calibration(call_bucket)
+    assert out.speculation_tail_only and mode == TAIL and call_bucket == len(prompts)
     assert priced_s > 0 and spent_s > 0 and out.plain_estimate_s == pytest.approx(out.wall_time_s * plain_s / spent_s)
-    assert engine.gate.ratio(bucket, TAIL) == pytest.approx(plain_s / spent_s)
+    assert engine.gate.ratio(call_bucket, TAIL) == pytest.approx(plain_s / spent_s)
     with AcceptanceMonitor(MonitorConfig(str(tmp_path), plots=False, tensorboard=False, n_boot=0)) as mon:
         record = mon.record_step(0, out)
     assert record["speculation_tail_only"] is True and record["speculation_paused"] is False
@@ -200,7 +199,6 @@ def test_tail_calls_only_where_rows_can_stop_early_and_the_drafter_reads_final_s
 def test_a_plain_call_whose_rows_move_into_smaller_buckets_stays_plain(monkeypatch):
     """Where TAIL calls lose too the gate runs PLAIN calls: rows that finish and move into smaller buckets do not
     switch drafting on; the call counts as paused, checks the plain price and its tokens reach the history."""
-    from rollout.engine.config import bucket
     policy = random_model(attention_config("sdpa", vocab_size=32), seed=1)
     engine = TorchEngine(policy, random_heads(policy, 2, seed=2))
     prompts = MIXED_PROMPTS * 2
@@ -228,8 +226,6 @@ def test_a_plain_calls_rounds_teach_the_cost_model_after_its_check(monkeypatch):
     """A PLAIN call's rounds are plain decoding's own: the engine's cost model learns its plain prices from them,
     but only once the call has checked the model's price, so the check compares the call with the price from
     before it."""
-    from rollout.engine.call_gate import PLAIN
-    from rollout.engine.config import bucket
     policy = random_model(attention_config("sdpa", vocab_size=32), seed=1)
     engine = TorchEngine(policy, random_heads(policy, 2, seed=2))
     prompts = MIXED_PROMPTS * 2
