@@ -318,6 +318,54 @@ def test_finished_rows_are_not_computed_while_their_bucket_remains(tiny_policy, 
         assert comp.tokens == alone.tokens
 
 
+def test_the_heads_caches_caught_up_each_round_hold_what_a_prefill_gives(tiny_policy, monkeypatch):
+    """Before each round's drafts, every unfinished row's head states over the positions it accepted since the
+    last round equal a prefill's over its tokens (float32), rows having accepted different numbers of drafts and
+    some having stopped. On the paged cache, in buckets of more than one row, the catch-up computes each unfinished
+    row's own positions and nothing else (finished rows and the widest row's window are not paid for)."""
+    heads = random_heads(tiny_policy, 2, seed=3)
+    engine = TorchEngine(tiny_policy, heads, config=FIXED)
+    prompts = MIXED_PROMPTS * 2
+    free = engine.generate(prompts, SamplingParams(max_new_tokens=24, temperature=1.0, seed=5, ignore_eos=True))
+    sp = SamplingParams(max_new_tokens=24, temperature=1.0, seed=5, ignore_eos=True, num_draft_tokens=3,
+                        stop_token_ids=(free.completions[0].tokens[4],))
+    snapshots, catch_ups, inside = [], [], []         # inside: the catch-up running now (not the chain's steps)
+    catch_up, head = round_module.update_head_cache, engine.forwards.head
+
+    def recording_catch_up(ctx, st, j, prev_buffer):
+        start = torch.minimum(st.head_len[j - 1], (st.committed - 1 - j).clamp_min(0))
+        live = ~st.finished
+        inside.append({"needed": int((st.committed - 1 - start)[live].sum()), "computed": 0, "rows": st.batch})
+        catch_up(ctx, st, j, prev_buffer)
+        catch_ups.append(inside.pop())
+        snapshots.append((j, st.seq.clone(), st.committed.clone(), live.clone(), st.head_hidden[j - 1].clone()))
+
+    def counting_head(j, prev, tokens, *args):
+        if inside:
+            inside[-1]["computed"] += tokens.numel()
+        return head(j, prev, tokens, *args)
+    monkeypatch.setattr(round_module, "update_head_cache", recording_catch_up)
+    monkeypatch.setattr(engine.forwards, "head", counting_head)
+    out = engine.generate(prompts, sp)
+    assert any(c.finish_reason == "stop" for c in out.completions) and snapshots
+    advances = {int(a) for c in out.completions for a in c.round_accepted}
+    assert len(advances) > 1                          # rows accepted different numbers of drafts
+    checked = 0
+    for j, seq, committed, live, hidden in snapshots[::3]:
+        rows = live.nonzero().squeeze(1).tolist()
+        context = [seq[b, :int(committed[b]) - 1].tolist() for b in rows]
+        _, ref, _ = TorchEngine(tiny_policy, heads)._prefill(context, replace(sp, max_new_tokens=1))
+        for i, b in enumerate(rows):
+            n = int(committed[b]) - j          # the prefill's pending token is its own sample: positions before it
+            torch.testing.assert_close(hidden[b, :n - 1], ref.head_hidden[j - 1][i, :n - 1], atol=1e-4, rtol=1e-4)
+            checked += 1
+    assert checked > len(snapshots[::3])
+    if isinstance(engine.forwards.policy.new_cache(1, 8, paged=True), paged_attention.PagedKVCache):
+        packed = [c for c in catch_ups if c["rows"] > 1]  # a bucket of one row pads: nothing to leave out
+        assert packed and all(c["computed"] == round_module.packed_tokens(c["needed"]) for c in packed)
+        assert any(not live.all() for *_, live, _ in snapshots)   # some catch-ups left finished rows out
+
+
 @pytest.mark.parametrize("k", [0, 3])
 def test_a_group_of_repeated_prompts_is_prefilled_once_and_decodes_like_each_prompt_alone(tiny_policy, tiny_heads,
                                                                                            k, monkeypatch):

@@ -243,16 +243,8 @@ def _verify_packed(ctx: RoundContext, st: DecodeState, tokens: torch.Tensor, num
     seqs = torch.arange(B, device=dev) if every_row else torch.as_tensor(live, device=dev)    # [S]
     drafts = num_drafts[seqs]                                                             # [S]
     counts = drafts + 1
-    total = int(counts.sum())
-    pad = packed_tokens(total) - total
-    counts_padded = counts.clone()
-    counts_padded[-1] += pad
-    starts = torch.zeros(seqs.numel() + 1, dtype=torch.long, device=dev)
-    starts[1:] = counts_padded.cumsum(0)
-    N = total + pad
-    run = torch.repeat_interleave(torch.arange(seqs.numel(), device=dev), counts_padded)  # [N] the run of each token
-    rows = seqs[run]                                                                      # [N] its cache row
-    offset = torch.arange(N, device=dev) - starts[run]                                    # [N] position in the run
+    run, rows, offset, starts = _packed_runs(seqs, counts)
+    N = rows.numel()
     positions = st.committed[rows] - 1 + offset
     flat_tokens = tokens[rows, offset.clamp_max(width - 1)]
     flat_tokens = torch.where(offset < counts[run], flat_tokens, 0)
@@ -265,6 +257,21 @@ def _verify_packed(ctx: RoundContext, st: DecodeState, tokens: torch.Tensor, num
     index = torch.zeros(B, width, dtype=torch.long, device=dev)
     index[seqs] = starts[:-1, None] + torch.minimum(torch.arange(width, device=dev)[None], drafts[:, None])
     return hidden, index, N
+
+
+def _packed_runs(seqs: torch.Tensor, counts: torch.Tensor):
+    """Runs of counts[s] consecutive tokens for the cache rows seqs [S], back to back; above PACK_MULTIPLE
+    tokens the last run is extended to a multiple of it (scratch positions: fewer new shapes for oneDNN).
+    -> run [N] (the run of each token), rows [N] (its cache row), offset [N] (its place in the run),
+    starts [S+1] (the runs' offsets; the query offsets of a packed forward). One host read (N)."""
+    total = int(counts.sum())
+    padded = counts.clone()
+    padded[-1] += packed_tokens(total) - total
+    starts = torch.zeros(seqs.numel() + 1, dtype=torch.long, device=seqs.device)
+    starts[1:] = padded.cumsum(0)
+    run = torch.repeat_interleave(torch.arange(seqs.numel(), device=seqs.device), padded)
+    offset = torch.arange(run.numel(), device=seqs.device) - starts[run]
+    return run, seqs[run], offset, starts
 
 
 def _aux_layers(ctx: RoundContext, st: DecodeState) -> tuple[int, ...]:
@@ -310,27 +317,51 @@ def draft(ctx: RoundContext, st: DecodeState, k: int):
 
 
 def update_head_cache(ctx: RoundContext, st: DecodeState, j: int, prev_buffer: torch.Tensor) -> None:
-    """Recompute depth j (1-based) at its stale positions start .. c-2, in fixed-width chunks.
+    """Recompute depth j (1-based) at its stale positions start .. c-2 of every unfinished row.
 
-    The stale window is max(advance since the depth's last update, j) wide; `head_lag` bounds it
-    on the host, so the number of chunks is known without reading lengths back from the device.
-    Chunk positions past c-2 write scratch entries that are rewritten before anything reads them.
-    Eager forwards take a window narrower than head_width in one chunk of the next power of two (a
-    round that advanced one or two positions computes two, not head_width); compiled ones keep
-    head_width, one graph."""
+    On a paged cache (eager) with more than one row, the rows' own positions go in one packed forward,
+    finished rows left out: padding every row to the widest row's window computes up to twice the
+    positions the rows need at batch 16. One row wastes at most the window's rounding up to a power of
+    two, less than packing's index work costs. Elsewhere (SDPA caches, compiled forwards, one row) every
+    row computes the same window in fixed-width chunks: the stale window is max(advance since the
+    depth's last update, j) wide, `head_lag` bounds it on the host, so the number of chunks is known
+    without reading lengths back from the device; eager forwards take a window narrower than head_width
+    in one chunk of the next power of two, compiled ones keep head_width, one graph. Positions past c-2
+    (chunks, packing's padding) write scratch entries that are rewritten before anything reads them."""
     c, W, L, D = st.committed, ctx.head_width, st.max_len, ctx.heads.num_depths
-    rows = torch.arange(st.batch, device=c.device)[:, None]
     start = torch.minimum(st.head_len[j - 1], (c - 1 - j).clamp_min(0))
-    stale = max(st.head_lag[j - 1], j)
-    if not ctx.forwards.compiled and stale < W:
-        W = 1 << (stale - 1).bit_length()
-    chunks = -(-stale // W)
-    for i in range(chunks):
-        pos = (start[:, None] + i * W + torch.arange(W, device=c.device)).clamp_max(L - 1 - D)  # [B, W]
-        out = ctx.forwards.head(j - 1, prev_buffer[rows, pos], st.seq[rows, pos + j], pos, st.heads[j - 1])
-        st.head_hidden[j - 1][rows, pos] = out
+    cache = st.heads[j - 1]
+    if isinstance(cache, PagedKVCache) and not ctx.forwards.compiled and st.batch > 1:
+        _catch_up_packed(ctx, st, j, prev_buffer, start)
+    else:
+        rows = torch.arange(st.batch, device=c.device)[:, None]
+        stale = max(st.head_lag[j - 1], j)
+        if not ctx.forwards.compiled and stale < W:
+            W = 1 << (stale - 1).bit_length()
+        for i in range(-(-stale // W)):
+            pos = (start[:, None] + i * W + torch.arange(W, device=c.device)).clamp_max(L - 1 - D)  # [B, W]
+            out = ctx.forwards.head(j - 1, prev_buffer[rows, pos], st.seq[rows, pos + j], pos, cache)
+            st.head_hidden[j - 1][rows, pos] = out
     st.head_len[j - 1] = c - 1
     st.head_lag[j - 1] = 0
+
+
+def _catch_up_packed(ctx: RoundContext, st: DecodeState, j: int, prev_buffer: torch.Tensor,
+                     start: torch.Tensor) -> None:
+    """Depth j over each unfinished row's positions start[b] .. c[b]-2 (start [B]), packed into one [1, N] forward."""
+    c, cache = st.committed, st.heads[j - 1]
+    live = (~st.finished).nonzero().squeeze(1)                                      # [S]
+    if live.numel() == 0:
+        return
+    every_row = live.numel() == st.batch
+    _, rows, offset, starts = _packed_runs(live, (c - 1 - start)[live])
+    pos = (start[rows] + offset).clamp_max(st.max_len - 1 - ctx.heads.num_depths)  # [N]
+    cache.packed(rows, starts.to(torch.int32), None if every_row else live)
+    try:
+        out = ctx.forwards.head(j - 1, prev_buffer[rows, pos][None], st.seq[rows, pos + j][None], pos[None], cache)
+    finally:
+        cache.packing = None
+    st.head_hidden[j - 1][rows, pos] = out[0]
 
 
 def fill_head_caches(heads: MTPHeads, policy: CausalLM, st: DecodeState,
