@@ -97,14 +97,11 @@ class Forwards:
         rope = model.rotary(positions)
         x = model.embed_tokens(tokens[None])
         aux = [x] if 0 in aux_layers else []
-        cache.packed(rows, query_start, seqs)
-        try:
+        with cache.packed(rows, query_start, seqs):
             for i, layer in enumerate(model.layers):
                 x = layer(x, rope, positions, cache, i)
                 if aux_layers and i + 1 in aux_layers:
                     aux.append(x)
-        finally:
-            cache.packing = None
         self.aux_states = torch.cat(aux, dim=-1)[0] if aux_layers else None
         return model.norm(x)[0]
 

@@ -356,11 +356,8 @@ def _catch_up_packed(ctx: RoundContext, st: DecodeState, j: int, prev_buffer: to
     every_row = live.numel() == st.batch
     _, rows, offset, starts = _packed_runs(live, (c - 1 - start)[live])
     pos = (start[rows] + offset).clamp_max(st.max_len - 1 - ctx.heads.num_depths)  # [N]
-    cache.packed(rows, starts.to(torch.int32), None if every_row else live)
-    try:
+    with cache.packed(rows, starts.to(torch.int32), None if every_row else live):
         out = ctx.forwards.head(j - 1, prev_buffer[rows, pos][None], st.seq[rows, pos + j][None], pos[None], cache)
-    finally:
-        cache.packing = None
     st.head_hidden[j - 1][rows, pos] = out[0]
 
 

@@ -17,6 +17,9 @@ writes it), so whole blocks are the unit of every copy.
 """
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import torch
 
 from rollout.models import vllm_kernels
@@ -62,15 +65,20 @@ class PagedKVCache:
         # the N tokens and the query offsets [B+1]; None = one [B, T] block. See `packed`.
         self.packing: tuple[torch.Tensor, torch.Tensor] | None = None
 
+    @contextmanager
     def packed(self, rows: torch.Tensor, query_start: torch.Tensor,
-               seqs: torch.Tensor | None = None) -> "PagedKVCache":
-        """Let the next forward pass N tokens as one [1, N] sequence: token i belongs to cache row
+               seqs: torch.Tensor | None = None) -> Iterator["PagedKVCache"]:
+        """Within the block, forwards pass N tokens as one [1, N] sequence: token i belongs to cache row
         rows[i], and sequence s's tokens are query_start[s] .. query_start[s+1]-1 (consecutive
         positions, at least one each). The sequences are the cache rows `seqs` [S] in that order
         (None: every row, S = B). Verification of per-row draft lengths computes only the tokens each
-        row drafted, not B times the longest, and rows that finished are left out."""
+        row drafted, not B times the longest, and rows that finished are left out; the heads' cache
+        catches up the same way. Leaving the block (an error included) returns the cache to [B, T] forwards."""
         self.packing = (rows, query_start, seqs)
-        return self
+        try:
+            yield self
+        finally:
+            self.packing = None
 
     def plan(self, positions: torch.Tensor, num_heads: int) -> tuple[torch.Tensor, ...]:
         """What every layer of one forward shares, made once per positions tensor [B, T]: the slots
